@@ -1,0 +1,65 @@
+"""Codecs: per-tensor encodings applied before packing and undone after unpacking.
+
+A codec turns one tensor into a tuple of *parts* (contiguous tensors, each of any dtype and shape) and back. The
+registry below is the one place a codec name is matched. Quantizing codecs apply to floating-point tensors only;
+integer and bool tensors, and tensors whose names match the sender's ``codec_exclude`` patterns, always travel with
+the identity codec.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from miles.sync.codecs import cast, identity
+from torch import Tensor
+
+EncodeFn = Callable[[Tensor], tuple[Tensor, ...]]
+DecodeFn = Callable[..., Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Codec:
+    """A named pair of pure functions.
+
+    Attributes:
+        name: registry key, recorded in the bucket metadata of every tensor it encoded.
+        encode: ``encode(tensor) -> parts``.
+        decode: ``decode(parts, *, shape, dtype) -> tensor`` of the original shape and dtype.
+    """
+
+    name: str
+    encode: EncodeFn
+    decode: DecodeFn
+
+
+def _registry() -> dict[str, Codec]:
+    codecs = [
+        Codec("identity", identity.encode, identity.decode),
+        Codec("bf16", cast.encode_bf16, cast.decode),
+        Codec("fp16", cast.encode_fp16, cast.decode),
+    ]
+    return {codec.name: codec for codec in codecs}
+
+
+CODECS: dict[str, Codec] = _registry()
+
+
+def get_codec(name: str) -> Codec:
+    """Look up a codec by name.
+
+    Raises:
+        ValueError: if ``name`` is not registered; the message lists the registered names.
+    """
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(
+            f"codec is {name!r}, which is not a registered codec; choose one of {sorted(CODECS)}"
+        ) from None
+
+
+def is_codec_eligible(tensor: Tensor) -> bool:
+    """True when a lossy codec may encode ``tensor``: floating point and non-empty."""
+    return tensor.is_floating_point() and tensor.numel() > 0
+
+
+__all__ = ["CODECS", "Codec", "get_codec", "is_codec_eligible"]
