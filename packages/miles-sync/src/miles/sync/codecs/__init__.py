@@ -9,7 +9,7 @@ the identity codec.
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from miles.sync.codecs import cast, identity
+from miles.sync.codecs import cast, fp8, identity, int4, mxfp8, nvfp4
 from torch import Tensor
 
 EncodeFn = Callable[[Tensor], tuple[Tensor, ...]]
@@ -36,6 +36,10 @@ def _registry() -> dict[str, Codec]:
         Codec("identity", identity.encode, identity.decode),
         Codec("bf16", cast.encode_bf16, cast.decode),
         Codec("fp16", cast.encode_fp16, cast.decode),
+        Codec("fp8", fp8.encode, fp8.decode),
+        Codec("mxfp8", mxfp8.encode, mxfp8.decode),
+        Codec("nvfp4", nvfp4.encode, nvfp4.decode),
+        Codec("int4", int4.encode, int4.decode),
     ]
     return {codec.name: codec for codec in codecs}
 
