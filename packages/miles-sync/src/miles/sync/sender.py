@@ -77,10 +77,11 @@ class WeightSender:
                 self.transport.send(pack(entries, out, version=version, index=num_buckets))
                 num_buckets += 1
                 nbytes += size
-            self.transport.commit(version, num_buckets)
         except BaseException as err:
             self.transport.abort(version, f"sender failed after {num_buckets} buckets: {err!r}")
             raise
+        # A failed commit needs no abort: receivers drop the update when they reject it.
+        self.transport.commit(version, num_buckets)
         return num_buckets, nbytes
 
     def push(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:

@@ -1,0 +1,140 @@
+"""torch.distributed transport: the sender broadcasts each bucket to every engine rank of a process group.
+
+Works with gloo (CPU payloads) and NCCL (CUDA payloads). The sender is rank ``src`` of ``group``; every other rank
+runs a ``DistributedEndpoint``. Per bucket there are two collectives: the metadata (``broadcast_object_list``) and the
+payload (``broadcast`` into a receive buffer that persists across updates, one per bucket position). A commit ends
+with ``all_gather_object`` of every rank's ``Ack``, so the sender learns which ranks failed and why.
+
+This mirrors SGLang's ``/init_weights_update_group`` (master_address, master_port, rank_offset, world_size,
+group_name, backend) + ``/update_weights_from_distributed`` (names, dtypes, shapes, group_name, flush_cache,
+weight_version, load_format) pair: the group is created once, each update sends metadata then broadcasts payloads.
+Timeouts are the process group's (``init_process_group(timeout=...)``).
+"""
+
+import logging
+
+import torch
+import torch.distributed as dist
+from miles.sync.bucket import Bucket
+from miles.sync.receiver import WeightReceiver
+from miles.sync.transports.messages import Abort, Ack, Begin, BucketReady, Close, Commit, UpdateSession, raise_on_errors
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+def _payload_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_message(message: object, *, src: int, group: dist.ProcessGroup | None) -> object:
+    box = [message]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+class DistributedTransport:
+    """Sender side: rank ``src`` of ``group`` broadcasts updates to all other ranks.
+
+    Args:
+        group: a process group containing the sender and every engine rank (None: the default group).
+        src: the sender's global rank.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, src: int = 0) -> None:
+        if dist.get_rank() != src:
+            raise ValueError(
+                f"DistributedTransport is the sender, so it must run on rank src={src}, not rank "
+                f"{dist.get_rank()}; engine ranks run DistributedEndpoint"
+            )
+        self.group = group
+        self.src = src
+        self.device = _payload_device(group)
+        self.slots: list[Tensor] = []
+        self._next_slot = 0
+
+    def begin(self, version: int) -> None:
+        self._next_slot = 0
+        _broadcast_message(Begin(version), src=self.src, group=self.group)
+
+    def allocate(self, nbytes: int, device: torch.device) -> Tensor:
+        slot = self._next_slot
+        if slot == len(self.slots):
+            self.slots.append(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        elif self.slots[slot].numel() < nbytes:
+            self.slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.slots[slot][:nbytes]
+
+    def send(self, bucket: Bucket) -> None:
+        _broadcast_message(BucketReady(bucket.meta, self._next_slot), src=self.src, group=self.group)
+        dist.broadcast(bucket.payload, src=self.src, group=self.group)
+        self._next_slot += 1
+
+    def commit(self, version: int, num_buckets: int) -> None:
+        _broadcast_message(Commit(version, num_buckets), src=self.src, group=self.group)
+        acks: list[Ack | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(acks, Ack(version, None), group=self.group)
+        raise_on_errors([ack for rank, ack in enumerate(acks) if rank != dist.get_rank(self.group)], version)
+
+    def abort(self, version: int, reason: str) -> None:
+        _broadcast_message(Abort(version, reason), src=self.src, group=self.group)
+
+    def close(self) -> None:
+        """Stop every endpoint's ``serve`` loop."""
+        _broadcast_message(Close(), src=self.src, group=self.group)
+        self.slots.clear()
+
+
+class DistributedEndpoint:
+    """Engine-rank side: receives broadcasts from rank ``src`` into persistent buffers and feeds ``receiver``.
+
+    Args:
+        receiver: this rank's receiver; ``apply_fn`` gets views of the receive buffers, valid during the call.
+        group: the same process group as the sender's.
+        src: the sender's global rank.
+    """
+
+    def __init__(self, receiver: WeightReceiver, group: dist.ProcessGroup | None = None, *, src: int = 0) -> None:
+        self.receiver = receiver
+        self.group = group
+        self.src = src
+        self.device = _payload_device(group)
+        self.slots: dict[int, Tensor] = {}
+        self._session = UpdateSession(receiver)
+
+    def _receive_payload(self, slot: int, nbytes: int) -> Tensor:
+        buffer = self.slots.get(slot)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self.slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        payload = buffer[:nbytes]
+        dist.broadcast(payload, src=self.src, group=self.group)
+        return payload
+
+    def serve_update(self) -> bool:
+        """Take part in collectives until one update is committed or aborted; False once the sender closed."""
+        while True:
+            message = _broadcast_message(None, src=self.src, group=self.group)
+            match message:
+                case Begin(version):
+                    self._session.begin(version)
+                case BucketReady(meta, slot, _):
+                    self._session.bucket(meta, self._receive_payload(slot, meta.nbytes))
+                case Commit(version, num_buckets):
+                    ack = self._session.commit(version, num_buckets)
+                    dist.all_gather_object([None] * dist.get_world_size(self.group), ack, group=self.group)
+                    return True
+                case Abort(version, reason):
+                    self._session.abort(version, reason)
+                    return True
+                case Close():
+                    self.slots.clear()
+                    return False
+                case _:
+                    raise TypeError(f"unexpected message {message!r} from rank {self.src}")
+
+    def serve(self) -> None:
+        """Serve updates until the sender closes the transport."""
+        while self.serve_update():
+            pass
