@@ -16,7 +16,11 @@ from miles.sync.errors import WeightUpdateError
 from miles.sync.receiver import WeightReceiver
 from miles.sync.sender import DEFAULT_CODEC_EXCLUDE, WeightSender
 from miles.sync.transports import Transport
+from miles.sync.transports.cuda_ipc import CudaIpcEndpoint, CudaIpcTransport
+from miles.sync.transports.distributed import DistributedEndpoint, DistributedTransport
 from miles.sync.transports.inprocess import InProcessTransport
+from miles.sync.transports.p2p import P2PEndpoint, P2PEngine, P2PTransport, RemoteBuffer
+from miles.sync.transports.shared_memory import SharedMemoryEndpoint, SharedMemoryTransport
 
 __all__ = [
     "CODECS",
@@ -24,7 +28,17 @@ __all__ = [
     "Bucket",
     "BucketMeta",
     "Codec",
+    "CudaIpcEndpoint",
+    "CudaIpcTransport",
+    "DistributedEndpoint",
+    "DistributedTransport",
     "InProcessTransport",
+    "P2PEndpoint",
+    "P2PEngine",
+    "P2PTransport",
+    "RemoteBuffer",
+    "SharedMemoryEndpoint",
+    "SharedMemoryTransport",
     "PartMeta",
     "TensorMeta",
     "Transport",
