@@ -1,0 +1,45 @@
+"""miles.core: Sample and batch types, protocols, RL algorithms, config sections and the training loop."""
+
+from miles.core.batch import TrainBatch, build_train_batch, split_micro_batches
+from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, SamplingConfig
+from miles.core.loop import Components, run_step, train_sync
+from miles.core.protocols import (
+    DataSource,
+    Engine,
+    GenerateOutput,
+    GenerateRequest,
+    MetricsSink,
+    RewardFn,
+    RolloutFn,
+    TrainBackend,
+    WeightPusher,
+)
+from miles.core.rewards import score_samples
+from miles.core.sample import Sample, SampleStatus, group_samples
+
+__all__ = [
+    "AlgorithmConfig",
+    "Components",
+    "DataSource",
+    "Engine",
+    "EvalConfig",
+    "GenerateOutput",
+    "GenerateRequest",
+    "LoopConfig",
+    "MetricsSink",
+    "RewardFn",
+    "RolloutConfig",
+    "RolloutFn",
+    "Sample",
+    "SampleStatus",
+    "SamplingConfig",
+    "TrainBackend",
+    "TrainBatch",
+    "WeightPusher",
+    "build_train_batch",
+    "group_samples",
+    "run_step",
+    "score_samples",
+    "split_micro_batches",
+    "train_sync",
+]

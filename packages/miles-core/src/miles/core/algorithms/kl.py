@@ -1,0 +1,43 @@
+"""Per-token KL estimators between the policy and a reference policy, from log-probs of sampled tokens.
+
+With log_ratio = ref_log_probs - log_probs (log pi_ref/pi_theta of the sampled token), Schulman's estimators of
+KL(pi_theta || pi_ref) are k1 = -log_ratio, k2 = log_ratio^2 / 2, k3 = exp(log_ratio) - log_ratio - 1.
+Reference: J. Schulman, "Approximating KL Divergence" (2020), http://joschu.net/blog/kl-approx.html.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+# exp() of a log-ratio above this overflows float32 gradients; k3 clamps the log-ratio (low-variance variant).
+LOG_RATIO_CLAMP = 20.0
+
+
+def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, *, estimator: KLEstimator) -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref); differentiable in ``log_probs``.
+
+    Args:
+        log_probs: [B, T] float32 nats, current policy, carries grad.
+        ref_log_probs: [B, T] float32 nats, frozen reference policy; no grad.
+        estimator: "k1" (unbiased, high variance, can be negative), "k2" (biased, >= 0),
+            "k3" (unbiased, >= 0, low variance; used by GRPO).
+    Returns: [B, T] float32, unmasked (the caller aggregates with the loss mask).
+    Raises: ValueError on shape mismatch or an unknown estimator.
+    References: Schulman (2020) k1/k2/k3; GRPO arXiv:2402.03300 Eq. 4 (k3).
+    """
+    if log_probs.shape != ref_log_probs.shape:
+        raise ValueError(f"log_probs {tuple(log_probs.shape)} != ref_log_probs {tuple(ref_log_probs.shape)}")
+    log_ratio = ref_log_probs.float() - log_probs.float()
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of 'k1', 'k2', 'k3'")

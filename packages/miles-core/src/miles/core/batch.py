@@ -1,0 +1,160 @@
+"""``TrainBatch``: the padded tensor form of a list of samples that every training backend consumes.
+
+Layout (B sequences, L = longest prompt + response, T = longest response):
+``tokens[b, :prompt_lengths[b] + response_lengths[b]]`` holds the real ids, right-padded with ``pad_token_id``.
+Per-response-token tensors are ``[B, T]``: column t of row b is response token t of sample b, i.e. the
+token at ``tokens[b, prompt_lengths[b] + t]``; columns past ``response_lengths[b]`` are padding (loss_mask False).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles.core.sample import Sample
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Padded tensors for B samples; built only by ``build_train_batch``.
+
+    Attributes:
+        tokens: [B, L] int64, prompt + response ids, right-padded.
+        attention_mask: [B, L] bool, True at real tokens.
+        prompt_lengths: [B] int64.
+        response_lengths: [B] int64, response tokens incl. tool tokens.
+        loss_mask: [B, T] bool, True = trained (False: padding, tool output, filtered samples).
+        advantages: [B, T] float32, 0 at masked positions.
+        rewards: [B] float32 (failed samples: 0, and fully masked).
+        rollout_log_probs: [B, T] float32 nats from the engine, 0 at padding; None if the engine gave none.
+        old_log_probs: [B, T] float32 nats, trainer recompute before the update (PPO denominator); None until set.
+        ref_log_probs: [B, T] float32 nats under the frozen reference model; None unless KL is used.
+    """
+
+    tokens: Tensor
+    attention_mask: Tensor
+    prompt_lengths: Tensor
+    response_lengths: Tensor
+    loss_mask: Tensor
+    advantages: Tensor
+    rewards: Tensor
+    rollout_log_probs: Tensor | None = None
+    old_log_probs: Tensor | None = None
+    ref_log_probs: Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Number of trained tokens (host sync)."""
+        return int(self.loss_mask.sum())
+
+    def replace(self, **changes: Tensor | None) -> TrainBatch:
+        """A copy with some fields replaced (e.g. ``old_log_probs`` after the recompute)."""
+        return dataclasses.replace(self, **changes)
+
+    def slice(self, start: int, end: int) -> TrainBatch:
+        """Rows ``start:end``, with columns trimmed to the longest sequence/response in the slice.
+
+        Trimming only drops padding, so per-token values are unchanged; it saves compute on short micro-batches.
+        """
+        rows = slice(start, end)
+        seq_len = int((self.prompt_lengths[rows] + self.response_lengths[rows]).max())  # host sync
+        resp_len = int(self.response_lengths[rows].max())
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                fields[f.name] = None
+            elif f.name in ("tokens", "attention_mask"):
+                fields[f.name] = value[rows, :seq_len]
+            elif value.dim() == 2:
+                fields[f.name] = value[rows, :resp_len]
+            else:
+                fields[f.name] = value[rows]
+        return TrainBatch(**fields)
+
+
+def build_train_batch(
+    samples: Sequence[Sample], advantages: Tensor, *, pad_token_id: int, trained: Sequence[bool] | None = None
+) -> TrainBatch:
+    """Pack samples into a ``TrainBatch``; per-sample advantages are broadcast over each response's tokens.
+
+    Args:
+        samples: B samples with ``tokens`` and ``response_length`` set.
+        advantages: [B] float32 (one per sample) or [B, T] float32 (per token, e.g. GAE); T >= longest response.
+        pad_token_id: id used to right-pad ``tokens``.
+        trained: per sample, False excludes it from the loss (e.g. a failed reward); default all True.
+    Returns: the packed batch; ``loss_mask`` is ``sample.loss_mask`` (or all ones) AND ``trained``.
+    Raises: ValueError if a sample has no response, lengths disagree, or shapes mismatch.
+    """
+    num = len(samples)
+    if num == 0:
+        raise ValueError("build_train_batch got no samples")
+    if advantages.shape[0] != num:
+        raise ValueError(f"advantages has {advantages.shape[0]} rows for {num} samples")
+    trained = [True] * num if trained is None else list(trained)
+    prompt_lengths = torch.tensor([s.prompt_length for s in samples], dtype=torch.int64)
+    response_lengths = torch.tensor([s.response_length for s in samples], dtype=torch.int64)
+    seq_len = int((prompt_lengths + response_lengths).max())
+    resp_len = max(1, int(response_lengths.max()))
+    tokens = torch.full((num, seq_len), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros(num, seq_len, dtype=torch.bool)
+    loss_mask = torch.zeros(num, resp_len, dtype=torch.bool)
+    rollout_log_probs = torch.zeros(num, resp_len, dtype=torch.float32)
+    has_rollout_log_probs = all(s.rollout_log_probs is not None for s in samples)
+    for b, sample in enumerate(samples):
+        n_tok, n_resp = len(sample.tokens), sample.response_length
+        if sample.prompt_length <= 0:
+            raise ValueError(f"sample {sample.index} has no prompt tokens (tokens={n_tok}, response={n_resp})")
+        tokens[b, :n_tok] = torch.tensor(sample.tokens, dtype=torch.int64)
+        attention_mask[b, :n_tok] = True
+        mask = sample.loss_mask if sample.loss_mask is not None else [1] * n_resp
+        if len(mask) != n_resp:
+            raise ValueError(f"sample {sample.index}: loss_mask has {len(mask)} entries for {n_resp} response tokens")
+        if trained[b] and n_resp > 0:
+            loss_mask[b, :n_resp] = torch.tensor(mask, dtype=torch.bool)
+        if has_rollout_log_probs:
+            if len(sample.rollout_log_probs) != n_resp:
+                raise ValueError(
+                    f"sample {sample.index}: {len(sample.rollout_log_probs)} rollout_log_probs for "
+                    f"{n_resp} response tokens"
+                )
+            rollout_log_probs[b, :n_resp] = torch.tensor(sample.rollout_log_probs, dtype=torch.float32)
+    advantages = advantages.to(torch.float32)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand(num, resp_len)
+    else:
+        advantages = advantages[:, :resp_len]
+    advantages = advantages * loss_mask
+    rewards = torch.tensor([_scalar_reward(s) if t else 0.0 for s, t in zip(samples, trained)], dtype=torch.float32)
+    return TrainBatch(
+        tokens=tokens,
+        attention_mask=attention_mask,
+        prompt_lengths=prompt_lengths,
+        response_lengths=response_lengths,
+        loss_mask=loss_mask,
+        advantages=advantages.contiguous(),
+        rewards=rewards,
+        rollout_log_probs=rollout_log_probs if has_rollout_log_probs else None,
+    )
+
+
+def _scalar_reward(sample: Sample) -> float:
+    reward = sample.reward
+    if isinstance(reward, dict):
+        return float(reward.get("score", 0.0))
+    return float(reward) if reward is not None else 0.0
+
+
+def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
+    """Consecutive row slices of at most ``micro_batch_size`` rows, each trimmed of column padding."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    return [batch.slice(i, min(i + micro_batch_size, batch.batch_size)) for i in range(0, batch.batch_size, micro_batch_size)]

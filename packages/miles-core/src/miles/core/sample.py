@@ -1,0 +1,75 @@
+"""One trajectory (``Sample``) and its lifecycle status; field names follow slime so users feel at home."""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SampleStatus(str, enum.Enum):
+    """Where a sample is in its life. ``TRUNCATED`` = the engine stopped at max length, not at a stop token."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Sample:
+    """One trajectory: a prompt and one sampled response, with everything the trainer needs from the rollout.
+
+    Attributes:
+        index: position of this sample in its rollout batch.
+        group_index: index of the prompt; the ``n_samples_per_prompt`` samples of one prompt share it.
+        prompt: the prompt as text or as chat messages (``[{"role": ..., "content": ...}]``).
+        label: the reference answer (or a task entry) the reward function scores against.
+        tokens: prompt + response token ids; the response is the last ``response_length`` ids.
+        response_length: number of response tokens, tool/environment tokens included.
+        loss_mask: ``response_length`` ints, 1 = trained, 0 = tool/environment output; None = all 1.
+        rollout_log_probs: ``response_length`` float nats, log-prob of each response token under the engine
+            at sampling time (temperature-scaled, before top-p/top-k truncation).
+        reward: scalar reward, or a dict of named rewards; None until scored.
+        status: lifecycle status, see ``SampleStatus``.
+        weight_version: version of the weights the engine generated this sample with.
+        rollout_routed_experts: MoE experts chosen at rollout, for routing replay (R3); None for dense models.
+        teacher_log_probs: per response token, from a teacher model (on-policy distillation); else None.
+        metadata: free-form extras (task entry, failure reason, ...).
+    """
+
+    index: int
+    group_index: int
+    prompt: str | list[dict[str, str]]
+    label: Any = None
+    tokens: list[int] = field(default_factory=list)
+    response_length: int = 0
+    loss_mask: list[int] | None = None
+    rollout_log_probs: list[float] | None = None
+    reward: float | dict[str, float] | None = None
+    status: SampleStatus = SampleStatus.PENDING
+    weight_version: int = 0
+    rollout_routed_experts: Any = None
+    teacher_log_probs: list[float] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_length(self) -> int:
+        """Number of prompt tokens at the start of ``tokens``."""
+        return len(self.tokens) - self.response_length
+
+    @property
+    def response_tokens(self) -> list[int]:
+        """The last ``response_length`` token ids."""
+        return self.tokens[self.prompt_length :]
+
+
+def group_samples(samples: Sequence[Sample]) -> list[list[Sample]]:
+    """Split samples into groups by ``group_index``, groups in first-seen order, samples in input order."""
+    groups: dict[int, list[Sample]] = defaultdict(list)
+    for sample in samples:
+        groups[sample.group_index].append(sample)
+    return list(groups.values())

@@ -1,0 +1,72 @@
+"""Config sections owned by miles-rollout: data, engine, reward."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Section):
+    """Where prompts come from and how they are rendered."""
+
+    source: Literal["reasoning_gym", "file"] = Field(
+        "reasoning_gym", description="reasoning_gym: a procedural task (offline, seeded); file: a local JSONL/Parquet file."
+    )
+    task: str = Field("basic_arithmetic", description="reasoning-gym task name (source=reasoning_gym).")
+    task_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of reasoning_gym.create_dataset for the task."
+    )
+    size: int = Field(10_000, ge=1, description="Entries generated per epoch (source=reasoning_gym).")
+    seed: int = Field(1234, description="Seed of the training entries and of the per-epoch shuffle order.")
+    eval_seed: int = Field(
+        999_999, description="Seed of the held-out eval entries (a different seed gives different prompts)."
+    )
+    path: str = Field("", description="JSONL/Parquet file (source=file), e.g. GSM8K's test.jsonl.")
+    prompt_key: str = Field("question", description="Column holding the question text (source=file).")
+    label_key: str = Field("answer", description="Column holding the reference answer (source=file).")
+    system_prompt: str = Field("", description="System message; empty = the chat template's default.")
+    prompt_suffix: str = Field("", description="Appended to every question, e.g. ' Reply with only the final number.'")
+    max_prompt_tokens: int = Field(1024, ge=1, description="Longer prompts are skipped and counted as failed.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.source == "file" and not self.path:
+            raise ValueError("data.source is 'file' but data.path is empty; pass --data.path /path/to/file.jsonl")
+        return self
+
+
+class EngineConfig(_Section):
+    """The inference engine used for rollouts."""
+
+    type: Literal["embedded"] = Field("embedded", description="embedded: in-process HF model (the CPU default).")
+    dtype: Literal["fp32", "bf16"] = Field("bf16", description="Engine weights/compute dtype.")
+    max_batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+    logprob_mode: Literal["prefill", "decode"] = Field(
+        "prefill",
+        description="prefill: rescore each response with one forward pass (trainer numerics); "
+        "decode: keep the decode-step logits, as server engines do.",
+    )
+
+
+class RewardConfig(_Section):
+    """How a completed sample is scored."""
+
+    type: Literal["reasoning_gym", "math", "custom"] = Field(
+        "reasoning_gym",
+        description="reasoning_gym: the task's scorer on the extracted answer (binary); math: math-verify "
+        "against the label (GSM8K '#### N', \\\\boxed{}); custom: the function at reward.path.",
+    )
+    path: str = Field("", description="module:attr of a custom reward function (sample) -> float (type=custom).")
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        if self.type == "custom" and ":" not in self.path:
+            raise ValueError(
+                f"reward.type is 'custom' but reward.path is {self.path!r}; set --reward.path my_module:my_reward"
+            )
+        return self

@@ -1,0 +1,60 @@
+"""Procedural reasoning tasks from reasoning-gym (Apache-2.0): seeded, offline, each with its own scorer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles.core.sample import Sample
+from miles.rollout.data.epoch import EpochShuffledSource
+
+
+def make_messages(question: str, *, system_prompt: str | None, prompt_suffix: str) -> list[dict[str, str]]:
+    """Chat messages for one question: optional system message, then the question plus a suffix."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question + prompt_suffix})
+    return messages
+
+
+class ReasoningGymSource(EpochShuffledSource):
+    """``DataSource`` over a reasoning-gym task, reshuffled every epoch with a seeded order.
+
+    Args:
+        task: reasoning-gym dataset name, e.g. "basic_arithmetic".
+        size: entries per epoch.
+        seed: seed of the task generator (the entries) and of the shuffle order.
+        task_kwargs: passed to ``reasoning_gym.create_dataset``.
+        system_prompt: optional system message (None: the tokenizer template's default).
+        prompt_suffix: appended to each question.
+    The label of each sample is the reasoning-gym entry (question, answer, metadata) its scorer needs.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        *,
+        size: int,
+        seed: int,
+        task_kwargs: dict[str, Any] | None = None,
+        system_prompt: str | None = None,
+        prompt_suffix: str = "",
+    ) -> None:
+        import reasoning_gym
+
+        try:
+            self.dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **(task_kwargs or {}))
+        except (KeyError, ValueError, TypeError) as err:
+            raise ValueError(f"data.task {task!r} with data.task_kwargs {task_kwargs}: {err}") from err
+        self.size, self.seed = size, seed
+        self.system_prompt, self.prompt_suffix = system_prompt, prompt_suffix
+        self._start()
+
+
+    def sample_at(self, index: int, group_index: int) -> Sample:
+        entry = self.dataset[index]
+        return Sample(
+            index=group_index,
+            group_index=group_index,
+            prompt=make_messages(entry["question"], system_prompt=self.system_prompt, prompt_suffix=self.prompt_suffix),
+            label=entry,
+            metadata={"data_index": index, "answer": entry["answer"]},
+        )

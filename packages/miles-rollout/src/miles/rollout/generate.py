@@ -1,0 +1,87 @@
+"""The default rollout function: chat-template prompts, n samples each, token-in-token-out through an engine."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from miles.core.config import SamplingConfig
+from miles.core.protocols import Engine, GenerateRequest
+from miles.core.sample import Sample, SampleStatus
+
+logger = logging.getLogger(__name__)
+
+
+def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
+    """Token ids of a prompt: chat messages go through the tokenizer's chat template (with the generation
+    prompt appended); a plain string is tokenized as is. Raises ValueError for an empty prompt."""
+    if not prompt:
+        raise ValueError("empty prompt: a prompt needs text or at least one chat message")
+    if isinstance(prompt, str):
+        text = prompt
+    else:
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class ChatRollout:
+    """``RolloutFn``: renders each prompt once, asks the engine for n samples, returns completed ``Sample``s.
+
+    Args:
+        engine: any ``miles.core.Engine``.
+        tokenizer: the policy's HF tokenizer (chat template).
+        max_prompt_tokens: longer prompts are marked FAILED (counted, not trained) instead of crashing.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Any, *, max_prompt_tokens: int = 2048) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def __call__(
+        self, prompts: Sequence[Sample], *, n_samples_per_prompt: int, sampling: SamplingConfig, seed: int
+    ) -> list[Sample]:
+        samples: list[Sample] = []
+        requests: list[GenerateRequest] = []
+        pending: list[Sample] = []
+        for prompt in prompts:
+            try:
+                prompt_tokens = render_prompt(self.tokenizer, prompt.prompt)
+                if len(prompt_tokens) > self.max_prompt_tokens:
+                    raise ValueError(f"prompt has {len(prompt_tokens)} tokens > max_prompt_tokens")
+                failure = None
+            except ValueError as err:
+                prompt_tokens, failure = [], str(err)
+            for _ in range(n_samples_per_prompt):
+                sample = Sample(
+                    index=len(samples),
+                    group_index=prompt.group_index,
+                    prompt=prompt.prompt,
+                    label=prompt.label,
+                    tokens=list(prompt_tokens),
+                    metadata=dict(prompt.metadata),
+                )
+                samples.append(sample)
+                if failure is not None:
+                    sample.status = SampleStatus.FAILED
+                    sample.metadata["failure"] = failure
+                    continue
+                pending.append(sample)
+                # One seed per request batch keeps a step reproducible; the engine's RNG varies the samples.
+                requests.append(GenerateRequest(prompt_tokens=prompt_tokens, sampling=sampling, seed=seed))
+        outputs = self.engine.generate(requests) if requests else []
+        for sample, output in zip(pending, outputs):
+            sample.tokens = sample.tokens + output.response_tokens
+            sample.response_length = len(output.response_tokens)
+            sample.rollout_log_probs = list(output.log_probs)
+            sample.weight_version = output.weight_version
+            sample.rollout_routed_experts = output.routed_experts
+            sample.status = {
+                "stop": SampleStatus.COMPLETED,
+                "length": SampleStatus.TRUNCATED,
+                "abort": SampleStatus.ABORTED,
+            }[output.finish_reason]
+            sample.metadata["finish_reason"] = output.finish_reason
+            sample.metadata["response_text"] = self.tokenizer.decode(output.response_tokens, skip_special_tokens=True)
+        return samples

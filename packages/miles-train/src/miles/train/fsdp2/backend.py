@@ -1,0 +1,243 @@
+"""FSDP2 training backend over an HF causal LM: log-probs, PPO/GRPO train steps, weight export, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles.core.batch import TrainBatch, split_micro_batches
+from miles.core.config import AlgorithmConfig
+from miles.core.algorithms.losses import aggregate, policy_loss
+from miles.train.config import TrainConfig
+from miles.core.log_probs import response_log_probs
+
+logger = logging.getLogger(__name__)
+
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def ensure_process_group() -> None:
+    """Start a single-process gloo group if none exists (world size 1, in-process default)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class FSDP2Backend:
+    """``TrainBackend`` with FSDP2 data parallelism; every rank of the current process group constructs one.
+
+    Each rank gets its own rows of the global batch (``train_step`` takes this rank's shard) and loss
+    denominators are all-reduced, so the update equals one big batch on one rank.
+
+    Args:
+        model_path: HF model directory.
+        train: optimizer/precision/micro-batch section.
+        algorithm: loss section (clip, KL, entropy, aggregation).
+        temperature: sampling temperature of the rollouts being trained on (log-probs use logits / T).
+        max_new_tokens: the normalizer of ``seq_mean_token_sum_norm``.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        train: TrainConfig,
+        algorithm: AlgorithmConfig,
+        temperature: float,
+        max_new_tokens: int,
+    ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers import AutoModelForCausalLM
+
+        from miles.train.fsdp2.parallelize import parallelize
+
+        ensure_process_group()
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.train_cfg, self.algorithm = train, algorithm
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.model_path = Path(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        self.model = parallelize(model, mesh=mesh, param_dtype=PARAM_DTYPES[train.dtype])
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=train.lr,
+            betas=(train.adam_beta1, train.adam_beta2),
+            eps=train.adam_eps,
+            weight_decay=train.weight_decay,
+        )
+        warmup = train.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        self.ref_model = None
+        if algorithm.kl_coef > 0.0:  # reference = frozen initial policy, unsharded, no grad
+            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=PARAM_DTYPES[train.dtype]).eval()
+            self.ref_model.requires_grad_(False)
+        self.step = 0
+        self.num_skipped_steps = 0
+
+    # -- log-probs ------------------------------------------------------------------------------
+    def _log_probs(self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        logits = model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long()).logits  # [B, L, V]
+        return response_log_probs(
+            logits,
+            mb.tokens,
+            mb.prompt_lengths,
+            num_response_columns=mb.loss_mask.shape[1],
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+        )
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TrainBatch) -> TrainBatch:
+        """Set ``old_log_probs`` (current policy) and, with a reference model, ``ref_log_probs``; [B, T] f32."""
+        old, ref = [], []
+        for mb in split_micro_batches(batch, self.train_cfg.micro_batch_size):
+            width = batch.loss_mask.shape[1]
+            old.append(_pad_cols(self._log_probs(self.model, mb, with_entropy=False)[0], width))
+            if self.ref_model is not None:
+                ref.append(_pad_cols(self._log_probs(self.ref_model, mb, with_entropy=False)[0], width))
+        return batch.replace(
+            old_log_probs=torch.cat(old), ref_log_probs=torch.cat(ref) if ref else batch.ref_log_probs
+        )
+
+    # -- training -------------------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on this rank's rows of the global batch; returns global metrics.
+
+        Without ``old_log_probs`` the batch is on-policy: the ratio's denominator is the detached current
+        log-prob (ratio 1), which saves a forward pass. Reference log-probs are computed here if KL is on.
+        """
+        if self.ref_model is not None and batch.ref_log_probs is None:
+            batch = batch.replace(ref_log_probs=self.compute_log_probs(batch).ref_log_probs)
+        counts = torch.tensor([batch.num_loss_tokens, batch.batch_size], dtype=torch.float64)
+        dist.all_reduce(counts)  # global denominators, so the update does not depend on the split
+        num_tokens, num_sequences = int(counts[0]), int(counts[1])
+        sums: dict[str, Tensor] = {}
+        with_entropy = True
+        for i, mb in enumerate(split_micro_batches(batch, self.train_cfg.micro_batch_size)):
+            last = (i + 1) * self.train_cfg.micro_batch_size >= batch.batch_size
+            self.model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last micro-batch
+            log_probs, entropy = self._log_probs(self.model, mb, with_entropy=with_entropy)
+            old_log_probs = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
+            loss, metrics = policy_loss(
+                log_probs,
+                old_log_probs,
+                mb.advantages,
+                mb.loss_mask,
+                clip_low=self.algorithm.clip_low,
+                clip_high=self.algorithm.clip_high,
+                aggregation=self.algorithm.aggregation,
+                num_tokens=num_tokens,
+                num_sequences=num_sequences,
+                normalizer=float(self.max_new_tokens),
+                ref_log_probs=mb.ref_log_probs,
+                kl_coef=self.algorithm.kl_coef,
+                kl_estimator=self.algorithm.kl_estimator,
+                entropy=entropy,
+                entropy_coef=self.algorithm.entropy_coef,
+            )
+            if mb.rollout_log_probs is not None:
+                with torch.no_grad():
+                    tok = dict(mode="token_mean", num_tokens=num_tokens)
+                    diff = old_log_probs - mb.rollout_log_probs
+                    metrics["train_rollout_logprob_abs_diff"] = aggregate(diff.abs(), mb.loss_mask, **tok)
+                    metrics["train_rollout_kl"] = aggregate(-diff, mb.loss_mask, **tok)
+            # FSDP2 averages gradients over ranks; the loss already divides by global counts, so undo it.
+            (loss * self.world_size).backward()
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + value.detach()
+            sums["loss"] = sums.get("loss", 0.0) + loss.detach()
+        names = sorted(sums)
+        totals = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64) for n in names])
+        dist.all_reduce(totals)
+        metrics_out = dict(zip(names, totals.tolist()))  # host sync
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        finite = math.isfinite(grad_norm) and math.isfinite(metrics_out["loss"])
+        if finite or not self.train_cfg.skip_nonfinite_steps:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            self.num_skipped_steps += 1
+            logger.warning("step %d: non-finite loss/grad norm (%s), optimizer step skipped", self.step, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        metrics_out.update(
+            {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped_steps": float(self.num_skipped_steps)}
+        )
+        return metrics_out
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Unsharded fp32 weights on CPU, HF names (collective: every rank must call it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, fp32 tensor) pairs of the full model for the engines."""
+        yield from self.full_state_dict().items()
+
+    def save(self, path: Path) -> None:
+        """Write ``model/`` (HF directory: config, safetensors) + ``optimizer.pt`` + ``trainer_state.json``.
+
+        ``path`` should be a fresh temporary directory; the caller publishes it by an atomic rename.
+        """
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        state = self.full_state_dict()
+        optim_state = get_optimizer_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank != 0:
+            return
+        path = Path(path)
+        (path / "model").mkdir(parents=True, exist_ok=True)
+        seen: set[int] = set()
+        unique = {}
+        for name, tensor in state.items():  # tied weights (embedding = LM head) are stored once
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                unique[name] = tensor.contiguous()
+        save_file(unique, path / "model" / "model.safetensors", metadata={"format": "pt"})
+        self.model.config.save_pretrained(path / "model")
+        torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, path / "optimizer.pt")
+        (path / "trainer_state.json").write_text(
+            json.dumps({"step": self.step, "skipped_steps": self.num_skipped_steps}, indent=2)
+        )
+
+    def load(self, path: Path) -> None:
+        """Restore model, optimizer, scheduler and step from ``save``'s layout."""
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(path)
+        weights = load_file(path / "model" / "model.safetensors")
+        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        state = torch.load(path / "optimizer.pt", weights_only=True)
+        set_optimizer_state_dict(
+            self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        trainer_state = json.loads((path / "trainer_state.json").read_text())
+        self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]
+
+
+def _pad_cols(values: Tensor, width: int) -> Tensor:
+    """Right-pad [b, t] to [b, width] with zeros (micro-batches are trimmed to their own response width)."""
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]))

@@ -1,0 +1,33 @@
+"""Apply FSDP2 (``fully_shard``) to an HF decoder-only model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def parallelize(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype) -> nn.Module:
+    """Shard each decoder layer, then the root (embeddings, final norm, LM head) with FSDP2.
+
+    Order matters: inner modules are sharded first so that each layer gets its own all-gather/reduce-scatter
+    group, and the root group holds only what is left (tied embedding + LM head share one parameter there).
+
+    Args:
+        model: an HF causal LM whose decoder layers are ``model.model.layers``; fp32 parameters (the master copy).
+        mesh: 1-D data-parallel mesh (gloo on CPU, NCCL on GPU).
+        param_dtype: dtype of the all-gathered parameters used in forward/backward; gradients are reduced and
+            stored in fp32.
+    Returns: the same module, sharded in place.
+    Raises: ValueError if the model has no ``model.layers``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no .model.layers; FSDP2 parallelize supports HF decoder LMs")
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
