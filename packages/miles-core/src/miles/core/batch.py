@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
-
 from miles.core.sample import Sample
+from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,15 @@ class TrainBatch:
     def replace(self, **changes: Tensor | None) -> TrainBatch:
         """A copy with some fields replaced (e.g. ``old_log_probs`` after the recompute)."""
         return dataclasses.replace(self, **changes)
+
+    def select(self, rows: Tensor) -> TrainBatch:
+        """The rows given by an int64 index tensor (columns untrimmed)."""
+        return TrainBatch(
+            **{
+                f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[rows])
+                for f in dataclasses.fields(self)
+            }
+        )
 
     def slice(self, start: int, end: int) -> TrainBatch:
         """Rows ``start:end``, with columns trimmed to the longest sequence/response in the slice.
@@ -157,4 +165,7 @@ def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainB
     """Consecutive row slices of at most ``micro_batch_size`` rows, each trimmed of column padding."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    return [batch.slice(i, min(i + micro_batch_size, batch.batch_size)) for i in range(0, batch.batch_size, micro_batch_size)]
+    return [
+        batch.slice(i, min(i + micro_batch_size, batch.batch_size))
+        for i in range(0, batch.batch_size, micro_batch_size)
+    ]

@@ -95,12 +95,10 @@ class AlgorithmConfig(_Section):
     entropy_coef: float = Field(
         0.0, ge=0.0, description="Entropy bonus weight (loss -= coef * entropy); 0 = entropy is only a metric."
     )
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
-        Field(
-            "token_mean",
-            description="Per-token loss -> scalar. token_mean: DAPO; seq_mean_token_mean: GRPO paper; "
-            "seq_mean_token_sum_norm: Dr.GRPO (divides by sampling.max_new_tokens).",
-        )
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="Per-token loss -> scalar. token_mean: DAPO; seq_mean_token_mean: GRPO paper; "
+        "seq_mean_token_sum_norm: Dr.GRPO (divides by sampling.max_new_tokens).",
     )
     advantage_eps: float = Field(1e-6, gt=0.0, description="Added to the group std before dividing (grpo).")
 

@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-
 from miles.core.algorithms.advantages import compute_advantages
 from miles.core.batch import TrainBatch, build_train_batch
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
@@ -54,7 +53,11 @@ def train_sync(
     for step in range(start_step, loop.num_steps):
         metrics = run_step(c, step=step, rollout=rollout, algorithm=algorithm)
         last = step + 1 == loop.num_steps
-        if c.eval_prompts and evaluation.num_prompts and (last or (evaluation.interval and (step + 1) % evaluation.interval == 0)):
+        if (
+            c.eval_prompts
+            and evaluation.num_prompts
+            and (last or (evaluation.interval and (step + 1) % evaluation.interval == 0))
+        ):
             metrics.update(evaluate(c, evaluation))
         c.sink.log(metrics, step=step + 1)
         if c.save_checkpoint is not None and (last or (loop.save_interval and (step + 1) % loop.save_interval == 0)):

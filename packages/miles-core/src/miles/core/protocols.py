@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from torch import Tensor
-
 from miles.core.batch import TrainBatch
 from miles.core.config import SamplingConfig
 from miles.core.sample import Sample
+from torch import Tensor
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class SampleStatus(str, enum.Enum):
+class SampleStatus(enum.StrEnum):
     """Where a sample is in its life. ``TRUNCATED`` = the engine stopped at max length, not at a stop token."""
 
     PENDING = "pending"
@@ -26,7 +26,7 @@ class Sample:
     Attributes:
         index: position of this sample in its rollout batch.
         group_index: index of the prompt; the ``n_samples_per_prompt`` samples of one prompt share it.
-        prompt: the prompt as text or as chat messages (``[{"role": ..., "content": ...}]``).
+        prompt: the prompt as text, chat messages (``[{"role": ..., "content": ...}]``) or token ids.
         label: the reference answer (or a task entry) the reward function scores against.
         tokens: prompt + response token ids; the response is the last ``response_length`` ids.
         response_length: number of response tokens, tool/environment tokens included.
@@ -43,7 +43,7 @@ class Sample:
 
     index: int
     group_index: int
-    prompt: str | list[dict[str, str]]
+    prompt: str | list[dict[str, str]] | list[int]
     label: Any = None
     tokens: list[int] = field(default_factory=list)
     response_length: int = 0

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from miles.core.protocols import DataSource, TrainBackend
 
 

@@ -16,11 +16,10 @@ logger = logging.getLogger("miles")
 
 def resolve_config(recipe: str, override_args: list[str]):
     """Recipe + overrides -> validated ``MilesConfig``. Raises ValueError with a readable message."""
-    from pydantic import ValidationError
-
     from miles.recipes.config import MilesConfig
     from miles.recipes.overrides import apply_overrides, format_validation_error, parse_overrides
     from miles.recipes.registry import load_recipe
+    from pydantic import ValidationError
 
     raw = apply_overrides(load_recipe(recipe), parse_overrides(override_args))
     try:
@@ -32,7 +31,9 @@ def resolve_config(recipe: str, override_args: list[str]):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="miles", description="Miles: RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train with a recipe; any config key can be overridden: --rollout.n-samples-per-prompt 8")
+    train = sub.add_parser(
+        "train", help="train with a recipe; any config key can be overridden: --rollout.n-samples-per-prompt 8"
+    )
     train.add_argument("--recipe", default="smollm2_grpo_arithmetic", help="shipped recipe name or YAML path")
     recipes = sub.add_parser("recipes", help="list the shipped recipes")
     recipes.add_argument("action", choices=["list"])

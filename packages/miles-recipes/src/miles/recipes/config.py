@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
 from miles.rollout.config import DataConfig, EngineConfig, RewardConfig
 from miles.train.config import TrainConfig
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Advantage estimators whose baseline is the group: a group of one sample has no signal.
 GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo")
@@ -68,6 +67,7 @@ class MilesConfig(BaseModel):
         if self.train.world_size != 1:
             raise ValueError(
                 f"train.world_size is {self.train.world_size}; the `miles train` loop runs FSDP2 in-process with "
-                "world size 1 (world size 2 is exercised by the backend tests under torchrun). Set --train.world-size 1."
+                "world size 1 (world size 2 is exercised by the backend tests with spawned gloo ranks). "
+                "Set --train.world-size 1."
             )
         return self

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from miles.recipes.models.smollm2 import ensure_smollm2
 
 MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m-instruct": ensure_smollm2}

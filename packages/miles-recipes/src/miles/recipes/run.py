@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 import yaml
-
 from miles.core.loop import Components, train_sync
 from miles.core.plugins import load_plugin
 from miles.core.protocols import DataSource, RewardFn
@@ -62,12 +61,11 @@ def run(cfg: MilesConfig, run_dir: Path) -> Path:
 
     Returns: the final checkpoint directory.
     """
-    from transformers import AutoTokenizer
-
     from miles.rollout.engines import EmbeddedEngine
     from miles.rollout.generate import ChatRollout
     from miles.sync import InProcessTransport, WeightSender
     from miles.train import FSDP2Backend
+    from transformers import AutoTokenizer
 
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
@@ -81,7 +79,10 @@ def run(cfg: MilesConfig, run_dir: Path) -> Path:
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     engine = EmbeddedEngine(
-        model_path, dtype=cfg.engine.dtype, max_batch_size=cfg.engine.max_batch_size, logprob_mode=cfg.engine.logprob_mode
+        model_path,
+        dtype=cfg.engine.dtype,
+        max_batch_size=cfg.engine.max_batch_size,
+        logprob_mode=cfg.engine.logprob_mode,
     )
     backend = FSDP2Backend(
         model_path,
@@ -91,7 +92,13 @@ def run(cfg: MilesConfig, run_dir: Path) -> Path:
         max_new_tokens=cfg.rollout.sampling.max_new_tokens,
     )
     sender = WeightSender(InProcessTransport(engine.receiver))
-    logger.info("loaded %s (engine %s, trainer %s) in %.1fs", model_path, cfg.engine.dtype, cfg.train.dtype, time.perf_counter() - t0)
+    logger.info(
+        "loaded %s (engine %s, trainer %s) in %.1fs",
+        model_path,
+        cfg.engine.dtype,
+        cfg.train.dtype,
+        time.perf_counter() - t0,
+    )
     sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), ConsoleSink(cfg.loop.num_steps, enabled=cfg.run.progress))
     checkpoints = run_dir / "checkpoints"
     final: list[Path] = []

@@ -15,7 +15,8 @@ class DataConfig(_Section):
     """Where prompts come from and how they are rendered."""
 
     source: Literal["reasoning_gym", "file"] = Field(
-        "reasoning_gym", description="reasoning_gym: a procedural task (offline, seeded); file: a local JSONL/Parquet file."
+        "reasoning_gym",
+        description="reasoning_gym: a procedural task (offline, seeded); file: a local JSONL/Parquet file.",
     )
     task: str = Field("basic_arithmetic", description="reasoning-gym task name (source=reasoning_gym).")
     task_kwargs: dict[str, Any] = Field(
@@ -44,7 +45,9 @@ class EngineConfig(_Section):
     """The inference engine used for rollouts."""
 
     type: Literal["embedded"] = Field("embedded", description="embedded: in-process HF model (the CPU default).")
-    dtype: Literal["fp32", "bf16"] = Field("bf16", description="Engine weights/compute dtype.")
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Engine weights/compute dtype; bf16 only pays off on GPUs or CPUs with AVX512-BF16/AMX."
+    )
     max_batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
     logprob_mode: Literal["prefill", "decode"] = Field(
         "prefill",

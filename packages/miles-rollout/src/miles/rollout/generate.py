@@ -13,11 +13,14 @@ from miles.core.sample import Sample, SampleStatus
 logger = logging.getLogger(__name__)
 
 
-def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
+def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]] | list[int]) -> list[int]:
     """Token ids of a prompt: chat messages go through the tokenizer's chat template (with the generation
-    prompt appended); a plain string is tokenized as is. Raises ValueError for an empty prompt."""
+    prompt appended); a plain string is tokenized as is; a list of ints is already token ids (token-in).
+    Raises ValueError for an empty prompt."""
     if not prompt:
-        raise ValueError("empty prompt: a prompt needs text or at least one chat message")
+        raise ValueError("empty prompt: a prompt needs text, token ids or at least one chat message")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
     if isinstance(prompt, str):
         text = prompt
     else:
@@ -30,7 +33,7 @@ class ChatRollout:
 
     Args:
         engine: any ``miles.core.Engine``.
-        tokenizer: the policy's HF tokenizer (chat template).
+        tokenizer: the policy's HF tokenizer (chat template); None if every prompt is given as token ids.
         max_prompt_tokens: longer prompts are marked FAILED (counted, not trained) instead of crashing.
     """
 
@@ -83,5 +86,8 @@ class ChatRollout:
                 "abort": SampleStatus.ABORTED,
             }[output.finish_reason]
             sample.metadata["finish_reason"] = output.finish_reason
-            sample.metadata["response_text"] = self.tokenizer.decode(output.response_tokens, skip_special_tokens=True)
+            if self.tokenizer is not None:  # token-only rollouts (tokenizer=None) have no text
+                sample.metadata["response_text"] = self.tokenizer.decode(
+                    output.response_tokens, skip_special_tokens=True
+                )
         return samples

@@ -12,7 +12,9 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    lr: float = Field(3e-5, gt=0.0, description="AdamW peak learning rate. 3e-5 shows a GRPO rise in 10 steps on SmolLM2-135M.")
+    lr: float = Field(
+        3e-5, gt=0.0, description="AdamW peak learning rate. 3e-5 shows a GRPO rise in 10 steps on SmolLM2-135M."
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup over this many optimizer steps; 0 = none.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
@@ -20,17 +22,21 @@ class TrainConfig(BaseModel):
     adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient L2 norm to this value.")
     micro_batch_size: int = Field(
-        8, ge=1, description="Sequences per forward/backward; gradients accumulate to the global batch, and the "
-        "result does not depend on this split (loss denominators are global)."
+        8,
+        ge=1,
+        description="Sequences per forward/backward; gradients accumulate to the global batch, and the "
+        "result does not depend on this split (loss denominators are global).",
     )
     dtype: Literal["bf16", "fp32"] = Field(
-        "bf16",
-        description="Compute dtype. bf16: bf16 params in forward/backward with fp32 master weights, fp32 "
-        "gradient reduction and optimizer (pure bf16 rounds away updates of ~1e-5). fp32: everything fp32.",
+        "fp32",
+        description="Compute dtype. fp32: everything fp32 (the CPU default). bf16: bf16 params in forward/backward "
+        "with fp32 master weights, fp32 gradient reduction and optimizer (pure bf16 rounds away updates of ~1e-5); "
+        "use it on GPUs, or CPUs with AVX512-BF16/AMX (on AVX2-only CPUs bf16 matmuls measured ~70x slower).",
     )
     world_size: int = Field(
         1, ge=1, description="Data-parallel ranks (FSDP2 shards). 1 runs in-process; >1 needs torchrun/spawned ranks."
     )
     skip_nonfinite_steps: bool = Field(
-        True, description="Skip (and count) an optimizer step whose loss or grad norm is NaN/inf instead of applying it."
+        True,
+        description="Skip (and count) an optimizer step whose loss or grad norm is NaN/inf instead of applying it.",
     )

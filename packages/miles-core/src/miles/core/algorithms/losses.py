@@ -127,6 +127,7 @@ def policy_loss(
     kl_estimator: str = "k3",
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    metrics_num_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip policy loss with optional KL-to-reference and entropy terms, aggregated over the loss mask.
 
@@ -143,6 +144,8 @@ def policy_loss(
         kl_coef, kl_estimator: KL term weight and estimator (see ``kl_estimate``).
         entropy: [B, T] float32 nats per token (with grad if entropy_coef > 0).
         entropy_coef: entropy bonus weight.
+        metrics_num_tokens: token denominator of the token-mean metrics (default ``num_tokens``); differs when
+            the caller skips rows that cannot change the loss.
     Returns: (loss scalar with grad, metrics of detached scalars: loss/pg, loss/kl, entropy, pg_clipfrac, ppo_kl),
         every metric already divided by the global denominators so micro-batch values add up.
     """
@@ -154,7 +157,7 @@ def policy_loss(
     loss = pg_loss
     metrics = {"loss/pg": pg_loss.detach()}
     with torch.no_grad():
-        tok = dict(mode="token_mean", num_tokens=num_tokens)
+        tok = dict(mode="token_mean", num_tokens=metrics_num_tokens or num_tokens)
         metrics["pg_clipfrac"] = aggregate(clipped.float(), loss_mask, **tok)
         metrics["ppo_kl"] = aggregate(old_log_probs - log_probs.detach(), loss_mask, **tok)
     if kl_coef > 0.0:
@@ -164,7 +167,7 @@ def policy_loss(
         loss = loss + kl_coef * kl_loss
         metrics["loss/kl"] = kl_loss.detach()
     if entropy is not None:
-        entropy_mean = aggregate(entropy, loss_mask, mode="token_mean", num_tokens=num_tokens)
+        entropy_mean = aggregate(entropy, loss_mask, mode="token_mean", num_tokens=metrics_num_tokens or num_tokens)
         if entropy_coef > 0.0:
             loss = loss - entropy_coef * aggregate(entropy, loss_mask, **agg)
         metrics["entropy"] = entropy_mean.detach()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from miles.core.sample import Sample
 from miles.rollout.data.epoch import EpochShuffledSource
@@ -39,15 +38,17 @@ class FileSource(EpochShuffledSource):
 
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"data.path {str(path)!r} does not exist; point --data.path at a JSONL/Parquet file")
+            raise FileNotFoundError(
+                f"data.path {str(path)!r} does not exist; point --data.path at a JSONL/Parquet file"
+            )
         if path.suffix not in _FORMATS:
             raise ValueError(f"data.path {str(path)!r}: unsupported suffix {path.suffix!r}; use .jsonl or .parquet")
         table = datasets.load_dataset(_FORMATS[path.suffix], data_files=str(path), split="train")
         for key, field in ((prompt_key, "prompt_key"), (label_key, "label_key")):
             if key not in table.column_names:
-                raise ValueError(
-                    f"data.{field} is {key!r}, but {path.name} has columns {table.column_names}; set --data.{field.replace('_', '-')}"
-                )
+                flag = "--data." + field.replace("_", "-")
+                columns = table.column_names
+                raise ValueError(f"data.{field} is {key!r}, but {path.name} has columns {columns}; set {flag}")
         if limit:
             table = table.select(range(min(limit, len(table))))
         self.rows = table
@@ -58,7 +59,6 @@ class FileSource(EpochShuffledSource):
     @property
     def size(self) -> int:
         return len(self.rows)
-
 
     def sample_at(self, index: int, group_index: int) -> Sample:
         row = self.rows[index]

@@ -48,7 +48,6 @@ class ReasoningGymSource(EpochShuffledSource):
         self.system_prompt, self.prompt_suffix = system_prompt, prompt_suffix
         self._start()
 
-
     def sample_at(self, index: int, group_index: int) -> Sample:
         entry = self.dataset[index]
         return Sample(

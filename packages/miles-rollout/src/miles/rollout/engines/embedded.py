@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from torch import Tensor
-
 from miles.core.config import SamplingConfig
-from miles.core.log_probs import response_log_probs
+from miles.core.log_probs import model_response_log_probs, warn_if_slow_bf16
 from miles.core.protocols import GenerateOutput, GenerateRequest
 from miles.sync import WeightReceiver
+from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +51,7 @@ class EmbeddedEngine:
 
         if dtype not in DTYPES:
             raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        warn_if_slow_bf16(DTYPES[dtype], logger, where="engine.dtype")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).eval()
         self.model.requires_grad_(False)
         if stop_token_ids is None:
@@ -189,10 +189,13 @@ class EmbeddedEngine:
         for b, (prompt, response) in enumerate(zip(prompts, responses)):
             tokens[b, : len(prompt) + len(response)] = torch.tensor(prompt + response)
             attention_mask[b, : len(prompt) + len(response)] = 1
-        logits = self.model(input_ids=tokens, attention_mask=attention_mask).logits
-        prompt_lengths = torch.tensor([len(p) for p in prompts])
-        log_probs, _ = response_log_probs(
-            logits, tokens, prompt_lengths, num_response_columns=width, temperature=temperature
+        log_probs, _ = model_response_log_probs(
+            self.model,
+            tokens,
+            attention_mask,
+            torch.tensor([len(p) for p in prompts]),
+            num_response_columns=width,
+            temperature=temperature,
         )
         lengths = torch.tensor([len(r) for r in responses])
         return log_probs * (torch.arange(width)[None, :] < lengths[:, None])

@@ -5,19 +5,17 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
+from miles.core.algorithms.losses import aggregate, policy_loss
 from miles.core.batch import TrainBatch, split_micro_batches
 from miles.core.config import AlgorithmConfig
-from miles.core.algorithms.losses import aggregate, policy_loss
+from miles.core.log_probs import model_response_log_probs, warn_if_slow_bf16
 from miles.train.config import TrainConfig
-from miles.core.log_probs import response_log_probs
+from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +51,16 @@ class FSDP2Backend:
         temperature: float,
         max_new_tokens: int,
     ) -> None:
+        from miles.train.fsdp2.parallelize import parallelize
         from torch.distributed.device_mesh import init_device_mesh
         from transformers import AutoModelForCausalLM
-
-        from miles.train.fsdp2.parallelize import parallelize
 
         ensure_process_group()
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.train_cfg, self.algorithm = train, algorithm
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.model_path = Path(model_path)
+        warn_if_slow_bf16(PARAM_DTYPES[train.dtype], logger, where="train.dtype")
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         model.config.use_cache = False
         mesh = init_device_mesh("cpu", (self.world_size,))
@@ -87,10 +85,10 @@ class FSDP2Backend:
 
     # -- log-probs ------------------------------------------------------------------------------
     def _log_probs(self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        logits = model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long()).logits  # [B, L, V]
-        return response_log_probs(
-            logits,
+        return model_response_log_probs(
+            model,
             mb.tokens,
+            mb.attention_mask,
             mb.prompt_lengths,
             num_response_columns=mb.loss_mask.shape[1],
             temperature=self.temperature,
@@ -106,9 +104,7 @@ class FSDP2Backend:
             old.append(_pad_cols(self._log_probs(self.model, mb, with_entropy=False)[0], width))
             if self.ref_model is not None:
                 ref.append(_pad_cols(self._log_probs(self.ref_model, mb, with_entropy=False)[0], width))
-        return batch.replace(
-            old_log_probs=torch.cat(old), ref_log_probs=torch.cat(ref) if ref else batch.ref_log_probs
-        )
+        return batch.replace(old_log_probs=torch.cat(old), ref_log_probs=torch.cat(ref) if ref else batch.ref_log_probs)
 
     # -- training -------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -117,17 +113,32 @@ class FSDP2Backend:
         Without ``old_log_probs`` the batch is on-policy: the ratio's denominator is the detached current
         log-prob (ratio 1), which saves a forward pass. Reference log-probs are computed here if KL is on.
         """
+        metrics = self.forward_backward(batch)
+        metrics.update(self.optimizer_step(loss=metrics["loss"]))
+        return metrics
+
+    def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
+        """Accumulate gradients of the policy loss over micro-batches (no optimizer step).
+
+        Loss denominators (tokens, sequences) are all-reduced over ranks first, so the accumulated gradient is
+        the same for every micro-batch size and every split of the global batch over ranks.
+        Returns: global metrics (loss, loss/pg, pg_clipfrac, ppo_kl, entropy, train_rollout_* ...).
+        """
         if self.ref_model is not None and batch.ref_log_probs is None:
             batch = batch.replace(ref_log_probs=self.compute_log_probs(batch).ref_log_probs)
         counts = torch.tensor([batch.num_loss_tokens, batch.batch_size], dtype=torch.float64)
-        dist.all_reduce(counts)  # global denominators, so the update does not depend on the split
+        dist.all_reduce(counts)
         num_tokens, num_sequences = int(counts[0]), int(counts[1])
-        sums: dict[str, Tensor] = {}
-        with_entropy = True
-        for i, mb in enumerate(split_micro_batches(batch, self.train_cfg.micro_batch_size)):
-            last = (i + 1) * self.train_cfg.micro_batch_size >= batch.batch_size
-            self.model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last micro-batch
-            log_probs, entropy = self._log_probs(self.model, mb, with_entropy=with_entropy)
+        batch, num_skipped = self._drop_rows_without_signal(batch)
+        metrics_num_tokens = batch.num_loss_tokens if num_skipped else None
+        sums: dict[str, Tensor] = {
+            "loss": torch.zeros(()),
+            "skipped_zero_advantage_samples": torch.tensor(float(num_skipped)),
+        }
+        micro_batches = split_micro_batches(batch, self.train_cfg.micro_batch_size) if batch.batch_size else []
+        for i, mb in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once, at the end
+            log_probs, entropy = self._log_probs(self.model, mb, with_entropy=True)
             old_log_probs = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
             loss, metrics = policy_loss(
                 log_probs,
@@ -145,10 +156,11 @@ class FSDP2Backend:
                 kl_estimator=self.algorithm.kl_estimator,
                 entropy=entropy,
                 entropy_coef=self.algorithm.entropy_coef,
+                metrics_num_tokens=metrics_num_tokens,
             )
             if mb.rollout_log_probs is not None:
                 with torch.no_grad():
-                    tok = dict(mode="token_mean", num_tokens=num_tokens)
+                    tok = dict(mode="token_mean", num_tokens=metrics_num_tokens or num_tokens)
                     diff = old_log_probs - mb.rollout_log_probs
                     metrics["train_rollout_logprob_abs_diff"] = aggregate(diff.abs(), mb.loss_mask, **tok)
                     metrics["train_rollout_kl"] = aggregate(-diff, mb.loss_mask, **tok)
@@ -156,14 +168,37 @@ class FSDP2Backend:
             (loss * self.world_size).backward()
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + value.detach()
-            sums["loss"] = sums.get("loss", 0.0) + loss.detach()
+            sums["loss"] = sums["loss"] + loss.detach()
         names = sorted(sums)
         totals = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64) for n in names])
         dist.all_reduce(totals)
-        metrics_out = dict(zip(names, totals.tolist()))  # host sync
+        return dict(zip(names, totals.tolist()))  # host sync
+
+    def _drop_rows_without_signal(self, batch: TrainBatch) -> tuple[TrainBatch, int]:
+        """Drop samples whose advantages are all 0 when nothing else (KL, entropy bonus) gives them a gradient.
+
+        Exact: such a row adds -ratio * 0 = 0 to the loss and its gradient, and the loss denominators were
+        counted before the drop. GRPO groups with equal rewards are all-zero, often most of a batch early on.
+        Only with world size 1: FSDP2 ranks must run the same number of backward passes.
+        """
+        if self.world_size > 1 or self.algorithm.kl_coef > 0.0 or self.algorithm.entropy_coef > 0.0:
+            return batch, 0
+        keep = ((batch.advantages != 0) & batch.loss_mask).any(dim=1)
+        if not keep.any():  # keep one row (zero gradient) so that entropy and log-prob metrics are still measured
+            keep[0] = True
+        num_skipped = int((~keep).sum())  # host sync
+        if num_skipped == 0:
+            return batch, 0
+        return batch.select(keep.nonzero().squeeze(1)), num_skipped
+
+    def optimizer_step(self, *, loss: float = 0.0) -> dict[str, float]:
+        """Clip gradients, step AdamW and the LR schedule, zero gradients; skip the step on NaN/inf (config).
+
+        Returns: grad_norm (before clipping), lr, skipped_steps.
+        """
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        finite = math.isfinite(grad_norm) and math.isfinite(metrics_out["loss"])
+        finite = math.isfinite(grad_norm) and math.isfinite(loss)
         if finite or not self.train_cfg.skip_nonfinite_steps:
             self.optimizer.step()
             self.scheduler.step()
@@ -172,10 +207,19 @@ class FSDP2Backend:
             logger.warning("step %d: non-finite loss/grad norm (%s), optimizer step skipped", self.step, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        metrics_out.update(
-            {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "skipped_steps": float(self.num_skipped_steps)}
-        )
-        return metrics_out
+        return {
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "skipped_steps": float(self.num_skipped_steps),
+        }
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Unsharded gradients by parameter name (collective; for tests and diagnostics)."""
+        return {
+            name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for name, p in self.model.named_parameters()
+            if p.grad is not None
+        }
 
     # -- weights and checkpoints ----------------------------------------------------------------
     def full_state_dict(self) -> dict[str, Tensor]:

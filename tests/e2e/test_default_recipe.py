@@ -1,0 +1,62 @@
+"""End to end: `miles train` on the default recipe with the real SmolLM2-135M-Instruct, 2 small steps."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+
+@pytest.mark.e2e
+def test_two_steps_of_the_default_recipe_write_a_complete_run_directory(smollm2_dir, tmp_path):
+    overrides = [
+        "--loop.num-steps", "2",
+        "--rollout.rollout-batch-size", "2",
+        "--rollout.n-samples-per-prompt", "4",
+        "--rollout.sampling.max-new-tokens", "16",
+        "--eval.num-prompts", "2",
+        "--eval.n-samples-per-prompt", "2",
+        "--eval.sampling.max-new-tokens", "16",
+        "--run.dir", str(tmp_path),
+        "--run.name", "e2e",
+        "--run.progress", "false",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "miles.recipes.cli", "train", "--recipe", "smollm2_grpo_arithmetic", *overrides]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "e2e"
+
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["loop"]["num_steps"] == 2 and config["data"]["task"] == "basic_arithmetic"
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/reward" in rows[0] and "eval/reward" in rows[2]
+    for key in (
+        "reward/mean", "reward/std", "response_length/mean", "truncated_ratio", "loss", "entropy", "pg_clipfrac",
+        "grad_norm", "train_rollout_logprob_abs_diff", "time/rollout", "time/train", "time/sync",
+        "throughput/rollout_tokens_per_s", "weight_version",
+    ):  # fmt: skip
+        assert key in rows[1], key
+    assert [r["weight_version"] for r in rows[1:]] == [1.0, 2.0]
+    assert 0.0 <= rows[1]["reward/mean"] <= 1.0
+
+    checkpoint = run / "checkpoints" / "step_2"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == 2
+    assert json.loads((checkpoint / "run_state.json").read_text())["data_source"]["num_prompts"] == 4
+    assert "optimizer" in torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert (run / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trained = AutoModelForCausalLM.from_pretrained(checkpoint / "model", dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(checkpoint / "model").chat_template
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    trained_state, base_state = trained.state_dict(), base.state_dict()
+    assert trained_state.keys() == base_state.keys()
+    assert torch.equal(trained_state["lm_head.weight"], trained_state["model.embed_tokens.weight"])  # still tied
+    if rows[1]["grad_norm"] > 0 or rows[2]["grad_norm"] > 0:
+        assert any(not torch.equal(trained_state[k], base_state[k]) for k in base_state)

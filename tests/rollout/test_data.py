@@ -1,0 +1,56 @@
+import pytest
+from miles.rollout.data import FileSource, ReasoningGymSource
+
+TASK_KWARGS = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+",))
+
+
+def _source(seed=1, size=5):
+    return ReasoningGymSource("basic_arithmetic", size=size, seed=seed, task_kwargs=TASK_KWARGS, prompt_suffix=" !")
+
+
+def test_reasoning_gym_prompts_are_chat_messages_with_the_suffix_and_the_entry_as_label():
+    prompt = _source().next_prompts(1)[0]
+    assert prompt.prompt[-1]["role"] == "user" and prompt.prompt[-1]["content"].endswith(" !")
+    assert prompt.prompt[-1]["content"].startswith(prompt.label["question"])
+
+
+def test_an_epoch_serves_every_entry_once_and_the_next_epoch_reshuffles():
+    source = _source(size=5)
+    first = [p.metadata["data_index"] for p in source.next_prompts(5)]
+    second = [p.metadata["data_index"] for p in source.next_prompts(5)]
+    assert sorted(first) == sorted(second) == list(range(5))
+    assert source.epoch == 1
+    assert [p.group_index for p in source.next_prompts(2)] == [10, 11]
+
+
+def test_resuming_from_state_dict_continues_with_the_same_prompts():
+    source = _source(size=5)
+    source.next_prompts(7)
+    state = source.state_dict()
+    expected = [p.prompt for p in source.next_prompts(6)]
+    resumed = _source(size=5)
+    resumed.load_state_dict(state)
+    assert [p.prompt for p in resumed.next_prompts(6)] == expected
+
+
+def test_an_unknown_task_names_the_config_key():
+    with pytest.raises(ValueError, match="data.task 'no_such_task'"):
+        ReasoningGymSource("no_such_task", size=2, seed=0)
+
+
+def test_file_source_reads_gsm8k_questions_and_answers(gsm8k_test_file):
+    source = FileSource(gsm8k_test_file, limit=10, seed=0)
+    prompts = source.next_prompts(10)
+    assert source.size == 10
+    assert all(p.label.rsplit("####", 1)[1].strip() for p in prompts)
+    assert sorted(p.metadata["data_index"] for p in prompts) == list(range(10))
+
+
+def test_file_source_names_a_missing_column(gsm8k_test_file):
+    with pytest.raises(ValueError, match="data.prompt_key is 'problem'"):
+        FileSource(gsm8k_test_file, prompt_key="problem")
+
+
+def test_file_source_names_a_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.path"):
+        FileSource(tmp_path / "missing.jsonl")

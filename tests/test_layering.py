@@ -1,0 +1,38 @@
+"""Lower layers never import higher ones (DESIGN.md section 1); miles.sync imports torch and nothing else of Miles."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "packages"
+ALLOWED = {
+    "sync": set(),
+    "core": {"sync"},
+    "rollout": {"core", "sync"},
+    "train": {"core", "sync"},
+    "recipes": {"core", "rollout", "train", "sync"},
+}
+
+
+def _miles_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        found |= {n.split(".")[1] for n in names if n.startswith("miles.") and len(n.split(".")) > 1}
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_lower_layers(package):
+    sources = list((ROOT / f"miles-{package}" / "src" / "miles" / package).rglob("*.py"))
+    assert sources
+    for path in sources:
+        bad = _miles_imports(path) - ALLOWED[package] - {package}
+        assert not bad, f"{path.relative_to(ROOT)} imports higher layer(s) {sorted(bad)}"
+
+
+def test_miles_is_a_namespace_package_in_every_distribution():
+    assert not list(ROOT.glob("*/src/miles/__init__.py"))
