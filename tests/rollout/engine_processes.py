@@ -1,7 +1,6 @@
 """Engine-side code for the cross-process weight update test (imported by spawned processes)."""
 
 import torch
-
 from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateRequest
 from miles.rollout.engines import EmbeddedEngine

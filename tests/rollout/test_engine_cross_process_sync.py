@@ -9,7 +9,6 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import engine_processes  # noqa: E402
-
 from miles.sync import WeightSender  # noqa: E402
 from miles.sync.transports.shared_memory import SharedMemoryTransport  # noqa: E402
 
@@ -28,7 +27,8 @@ def test_engine_process_generates_with_the_pushed_weights(tiny_llama_dir):
     ctx = mp.get_context("spawn")
     sender_conn, engine_conn = ctx.Pipe()
     results = ctx.Queue()
-    engine = ctx.Process(target=engine_processes.engine_worker, args=(str(tiny_llama_dir), engine_conn, PROMPT, results))
+    args = (str(tiny_llama_dir), engine_conn, PROMPT, results)
+    engine = ctx.Process(target=engine_processes.engine_worker, args=args)
     engine.start()
     try:
         transport = SharedMemoryTransport(sender_conn, timeout_s=120)
