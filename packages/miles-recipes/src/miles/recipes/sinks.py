@@ -38,9 +38,7 @@ class ConsoleSink:
         self._shown: dict[str, float] = {}
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._shown.update(
-            {k.split("/")[0] if k == "reward/mean" else k: v for k, v in metrics.items() if k in CONSOLE_KEYS}
-        )
+        self._shown.update({k: v for k, v in metrics.items() if k in CONSOLE_KEYS})
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in self._shown.items()}, refresh=False)
         if step > self.bar.n:
             self.bar.update(step - self.bar.n)
