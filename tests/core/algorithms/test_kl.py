@@ -34,3 +34,11 @@ def test_k3_stays_finite_for_huge_log_ratios():
 def test_unknown_kl_estimator_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
         kl_estimate(torch.zeros(1, 1), torch.zeros(1, 1), estimator="k4")
+
+
+def test_low_var_kl_is_k3_clamped_at_ten():
+    # log_ratio = ref - logp = 5: k3 = e^5 - 5 - 1 = 142.4 -> 10; small ratios equal k3.
+    log_probs = torch.tensor([[0.0, 0.0]])
+    ref = torch.tensor([[5.0, -0.5]])
+    got = kl_estimate(log_probs, ref, estimator="low_var_kl")
+    torch.testing.assert_close(got, torch.tensor([[10.0, 0.10653]]), atol=1e-5, rtol=0)

@@ -1,6 +1,16 @@
 import pytest
 import torch
-from miles.core.algorithms.losses import aggregate, entropy_from_logits, policy_loss, ppo_clip
+from miles.core.algorithms.losses import (
+    LossParams,
+    aggregate,
+    cispo_loss,
+    entropy_from_logits,
+    gspo_loss,
+    policy_loss,
+    ppo_clip,
+    sft_loss,
+    value_loss,
+)
 
 
 def test_ppo_clip_loss_and_gradient_match_hand_values_on_a_2x3_example():
@@ -84,8 +94,7 @@ def test_policy_loss_adds_the_kl_term_with_gradient_and_reports_metrics():
         torch.tensor([[0.0]]),
         torch.tensor([[0.0]]),
         torch.tensor([[True]]),
-        clip_low=0.2,
-        clip_high=0.2,
+        params=LossParams(),
         aggregation="token_mean",
         num_tokens=1,
         num_sequences=1,
@@ -98,3 +107,188 @@ def test_policy_loss_adds_the_kl_term_with_gradient_and_reports_metrics():
     assert log_probs.grad.item() == pytest.approx(0.39347, abs=1e-5)
     assert metrics["loss/kl"].item() == pytest.approx(0.10653, abs=1e-5)
     assert metrics["pg_clipfrac"].item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "estimator, value, grad",
+    [
+        # logp = logp_ref + 0.5, advantage 0, coef 1: the loss is the KL term alone, with gradient.
+        pytest.param("k1", 0.5, 1.0, id="k1"),
+        pytest.param("k2", 0.125, 0.5, id="k2"),
+        pytest.param("k3", 0.10653, 0.39347, id="k3"),
+    ],
+)
+def test_kl_loss_term_carries_the_estimator_gradient(estimator, value, grad):
+    log_probs = torch.tensor([[0.0]], requires_grad=True)
+    loss, _ = _one_token_policy_loss(
+        log_probs, ref_log_probs=torch.tensor([[-0.5]]), kl_coef=1.0, kl_estimator=estimator
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(value, abs=1e-5)
+    assert log_probs.grad.item() == pytest.approx(grad, abs=1e-5)
+
+
+def _one_token_policy_loss(log_probs, *, advantage=0.0, old=0.0, **kw):
+    defaults = dict(params=LossParams(), aggregation="token_mean", num_tokens=1, num_sequences=1)
+    return policy_loss(
+        log_probs, torch.tensor([[old]]), torch.tensor([[advantage]]), torch.tensor([[True]]), **{**defaults, **kw}
+    )
+
+
+@pytest.mark.parametrize(
+    "old_log_prob, expected_loss, expected_grad, clipped",
+    [
+        # A = -1, r = e^2 = 7.389: PPO loss max(7.389, 1.2) = 7.389 -> capped at c|A| = 3, gradient 0.
+        pytest.param(-2.0, 3.0, 0.0, True, id="ratio_7.39_capped_at_3"),
+        # r = e^0.5 = 1.6487 < 3: dual clip inactive, loss r, gradient r.
+        pytest.param(-0.5, 1.64872, 1.64872, False, id="ratio_1.65_below_cap"),
+    ],
+)
+def test_dual_clip_caps_the_loss_of_negative_advantages(old_log_prob, expected_loss, expected_grad, clipped):
+    log_probs = torch.zeros(1, 1, requires_grad=True)
+    loss, was_clipped = ppo_clip(
+        log_probs,
+        torch.full((1, 1), old_log_prob),
+        torch.full((1, 1), -1.0),
+        clip_low=0.2,
+        clip_high=0.2,
+        dual_clip_c=3.0,
+    )
+    loss.sum().backward()
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-5)
+    assert log_probs.grad.item() == pytest.approx(expected_grad, abs=1e-5)
+    assert was_clipped.item() is clipped
+
+
+def test_dual_clip_leaves_positive_advantages_alone():
+    # A = +1, r = e^-2 = 0.13534: -min(r, clip(r, 0.8, 1.2)) = -0.13534, the same as without dual clip.
+    args = (torch.zeros(1, 1), torch.full((1, 1), 2.0), torch.ones(1, 1))
+    with_dual, _ = ppo_clip(*args, clip_low=0.2, clip_high=0.2, dual_clip_c=3.0)
+    assert with_dual.item() == pytest.approx(-0.13534, abs=1e-5)
+
+
+def test_gspo_uses_the_length_normalized_sequence_ratio_on_every_token():
+    # Sequence 0: log-ratios [0.2, 0.0] (third token masked out) -> s = e^0.1 = 1.10517, A = 1, within the clip.
+    # Token loss -s each; seq_mean_token_mean: -1.10517; gradient per token s / 2 = 0.55259 (sign: loss -s).
+    log_probs = torch.zeros(1, 3, requires_grad=True)
+    old = torch.tensor([[-0.2, 0.0, -5.0]])
+    mask = torch.tensor([[True, True, False]])
+    advantages = torch.tensor([[1.0, 1.0, 0.0]])
+    token_loss, clipped = gspo_loss(log_probs, old, advantages, mask, clip_low=0.2, clip_high=0.2)
+    loss = aggregate(token_loss, mask, mode="seq_mean_token_mean")
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.10517, abs=1e-5)
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[-0.55259, -0.55259, 0.0]]), atol=1e-5, rtol=0)
+    assert not clipped[mask].any()
+
+
+def test_gspo_clips_the_whole_sequence_when_its_ratio_leaves_the_range():
+    # s = e^0.1 = 1.105 > 1 + 0.05: loss -1.05 per token, no gradient.
+    log_probs = torch.zeros(1, 2, requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    token_loss, clipped = gspo_loss(
+        log_probs, torch.tensor([[-0.2, 0.0]]), torch.ones(1, 2), mask, clip_low=0.05, clip_high=0.05
+    )
+    token_loss.sum().backward()
+    torch.testing.assert_close(token_loss, torch.full((1, 2), -1.05))
+    assert clipped.all() and torch.equal(log_probs.grad, torch.zeros(1, 2))
+
+
+def test_cispo_clips_the_detached_weight_but_keeps_the_gradient():
+    # r = e^(-1 + 1.5) = 1.6487 -> weight 1.28; A = 2: loss -1.28 * 2 * (-1) = 2.56; d/dlogp = -1.28 * 2 = -2.56.
+    log_probs = torch.tensor([[-1.0]], requires_grad=True)
+    token_loss, clipped = cispo_loss(
+        log_probs, torch.tensor([[-1.5]]), torch.tensor([[2.0]]), clip_low=0.2, clip_high=0.28
+    )
+    token_loss.sum().backward()
+    assert token_loss.item() == pytest.approx(2.56, abs=1e-5)
+    assert log_probs.grad.item() == pytest.approx(-2.56, abs=1e-5)
+    assert clipped.item()
+
+
+def test_sft_loss_is_the_negative_log_likelihood_of_trained_tokens():
+    # Multi-turn: the middle (user) token is masked. NLL = (0.5 + 2.0) / 2 = 1.25; grad -1/2 on kept tokens.
+    log_probs = torch.tensor([[-0.5, -7.0, -2.0]], requires_grad=True)
+    mask = torch.tensor([[True, False, True]])
+    token_loss, _ = sft_loss(log_probs)
+    loss = aggregate(token_loss, mask, mode="token_mean")
+    loss.backward()
+    assert loss.item() == pytest.approx(1.25)
+    assert log_probs.grad.tolist() == [[-0.5, 0.0, -0.5]]
+
+
+def test_policy_loss_with_sft_ignores_advantages():
+    log_probs = torch.tensor([[-0.5]], requires_grad=True)
+    loss, _ = _one_token_policy_loss(log_probs, advantage=123.0, loss="sft")
+    assert loss.item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "value, expected_loss, expected_grad, clipped",
+    [
+        # old 0.5, R 2, clip 0.2. V = 1.0: unclipped (1-2)^2 = 1, clipped V 0.7: 1.69 -> 0.845, gradient 0.
+        pytest.param(1.0, 0.845, 0.0, True, id="clipped_branch_larger"),
+        # V = 0.6 within the clip: both 1.96 -> 0.98, gradient V - R = -1.4.
+        pytest.param(0.6, 0.98, -1.4, False, id="within_clip"),
+    ],
+)
+def test_value_loss_clips_around_the_rollout_values(value, expected_loss, expected_grad, clipped):
+    values = torch.tensor([[value]], requires_grad=True)
+    loss, was_clipped = value_loss(values, torch.tensor([[0.5]]), torch.tensor([[2.0]]), clip=0.2)
+    loss.sum().backward()
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-5)
+    assert values.grad.item() == pytest.approx(expected_grad, abs=1e-5)
+    assert was_clipped.item() is clipped
+
+
+def test_importance_weights_multiply_the_policy_loss_without_gradient():
+    # A = 1, on-policy (r = 1): token loss -1, weight 0.5 -> loss -0.5, gradient -0.5.
+    log_probs = torch.tensor([[0.0]], requires_grad=True)
+    weights = torch.tensor([[0.5]], requires_grad=True)
+    loss, _ = _one_token_policy_loss(log_probs, advantage=1.0, token_weights=weights)
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.5) and log_probs.grad.item() == pytest.approx(-0.5)
+    assert weights.grad is None
+
+
+def test_entropy_metric_and_bonus_cover_only_loss_masked_positions():
+    # Entropies [1, 5] with the second masked: metric 1; coef 0.1 bonus: loss -0.1, grad -0.1 / 0.
+    entropy = torch.tensor([[1.0, 5.0]], requires_grad=True)
+    loss, metrics = policy_loss(
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.tensor([[True, False]]),
+        params=LossParams(),
+        aggregation="token_mean",
+        num_tokens=1,
+        num_sequences=1,
+        entropy=entropy,
+        entropy_coef=0.1,
+    )
+    loss.backward()
+    assert metrics["entropy"].item() == 1.0 and loss.item() == pytest.approx(-0.1)
+    assert entropy.grad.tolist() == [[pytest.approx(-0.1), 0.0]]
+
+
+def test_a_custom_reducer_replaces_the_aggregation():
+    def total_sum(token_loss, loss_mask, num_tokens, num_sequences):
+        return torch.where(loss_mask, token_loss, 0.0).sum()
+
+    loss, _ = policy_loss(
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.ones(1, 2),
+        torch.ones(1, 2, dtype=torch.bool),
+        params=LossParams(),
+        aggregation="token_mean",
+        num_tokens=2,
+        num_sequences=1,
+        reducer=total_sum,
+    )
+    assert loss.item() == -2.0
+
+
+def test_unknown_policy_loss_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown policy loss 'dpo'"):
+        _one_token_policy_loss(torch.zeros(1, 1), loss="dpo")

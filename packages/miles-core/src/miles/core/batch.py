@@ -32,6 +32,9 @@ class TrainBatch:
         rollout_log_probs: [B, T] float32 nats from the engine, 0 at padding; None if the engine gave none.
         old_log_probs: [B, T] float32 nats, trainer recompute before the update (PPO denominator); None until set.
         ref_log_probs: [B, T] float32 nats under the frozen reference model; None unless KL is used.
+        teacher_log_probs: [B, T] float32 nats under the teacher (on-policy distillation); None without a teacher.
+        values: [B, T] float32 critic values V(s_t) at rollout time (PPO/GAE); None without a critic.
+        returns: [B, T] float32 critic targets (GAE advantages + values); None without a critic.
     """
 
     tokens: Tensor
@@ -44,6 +47,9 @@ class TrainBatch:
     rollout_log_probs: Tensor | None = None
     old_log_probs: Tensor | None = None
     ref_log_probs: Tensor | None = None
+    teacher_log_probs: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -35,6 +35,11 @@ class RolloutConfig(_Section):
         "Must divide rollout_batch_size * n_samples_per_prompt.",
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling for training rollouts.")
+    mode: Literal["generate", "sft"] = Field(
+        "generate",
+        description="generate: the engine samples the responses (RL); sft: the response is the data's reference "
+        "answer (teacher forcing, no generation), trained on assistant tokens with algorithm.policy_loss sft.",
+    )
     seed: int = Field(1234, description="Seed of the engine's sampler (each step derives its own).")
 
     @property
@@ -68,16 +73,59 @@ class EvalConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling used for evaluation.")
 
 
-AdvantageEstimator = Literal["grpo", "dr_grpo"]
+AdvantageEstimator = Literal[
+    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "opd"
+]
+PolicyLoss = Literal["ppo", "gspo", "cispo", "sft"]
+
+# Plugin keys of AlgorithmConfig and the positional arguments their callables must accept.
+PLUGIN_ARITY = {
+    "advantage_estimator_path": 2,  # (inputs: AdvantageInputs, params: AdvantageParams) -> (advantages, returns)
+    "policy_loss_path": 5,  # (log_probs, old_log_probs, advantages, loss_mask, params: LossParams) -> (loss, clipped)
+    "loss_reducer_path": 4,  # (token_loss, loss_mask, num_tokens, num_sequences) -> scalar
+    "reward_post_process_path": 2,  # (samples, rewards [B] float32) -> rewards [B] float32
+    "dynamic_sampling_filter_path": 1,  # (group: list[Sample]) -> bool keep
+}
 
 
 class AlgorithmConfig(_Section):
-    """Advantage estimator and policy loss. GRPO, Dr.GRPO and DAPO-style clipping are values of one path."""
+    """Advantage estimator, policy loss and their corrections. GRPO, Dr.GRPO and DAPO are values of one path;
+    see docs/algorithms.md for the config of each algorithm."""
 
     advantage_estimator: AdvantageEstimator = Field(
         "grpo",
-        description="grpo: (r - group mean) / group std (arXiv:2402.03300); dr_grpo: r - group mean, no std "
-        "(arXiv:2503.20783). Both need n_samples_per_prompt >= 2.",
+        description="grpo: (r - group mean) / group std (arXiv:2402.03300); dr_grpo: r - group mean "
+        "(arXiv:2503.20783); rloo: r - mean of the other samples (arXiv:2402.14740); reinforce_plus_plus: returns "
+        "whitened over the batch, reinforce_plus_plus_baseline: minus the group mean first (arXiv:2501.03262); "
+        "gae: PPO with a critic (arXiv:1506.02438, needs a critic); opd: on-policy distillation, per-token "
+        "teacher_log_prob - student_log_prob (needs algorithm.teacher_path). Group estimators (grpo, dr_grpo, "
+        "rloo, reinforce_plus_plus_baseline) need n_samples_per_prompt >= 2.",
+    )
+    advantage_estimator_path: str = Field(
+        "",
+        description="module:attr of a custom estimator fn(inputs: AdvantageInputs, params: AdvantageParams) -> "
+        "(advantages [B, T], returns [B, T] or None); replaces advantage_estimator. Empty = built-in.",
+    )
+    policy_loss: PolicyLoss = Field(
+        "ppo",
+        description="ppo: clipped token ratio (GRPO/DAPO/PPO); gspo: clipped length-normalized sequence ratio, use "
+        "clip 3e-4/4e-4 and seq_mean_token_mean (arXiv:2507.18071); cispo: clipped stop-gradient IS weight times "
+        "log-prob (arXiv:2506.13585); sft: negative log-likelihood of the loss-masked tokens (advantages unused).",
+    )
+    policy_loss_path: str = Field(
+        "",
+        description="module:attr of a custom policy loss fn(log_probs, old_log_probs, advantages, loss_mask, "
+        "params: LossParams) -> (token_loss [B, T], clipped [B, T] bool); replaces policy_loss. Empty = built-in.",
+    )
+    loss_reducer_path: str = Field(
+        "",
+        description="module:attr of a custom aggregation fn(token_loss, loss_mask, num_tokens, num_sequences) -> "
+        "scalar, with global counts; replaces aggregation. Empty = built-in.",
+    )
+    reward_post_process_path: str = Field(
+        "",
+        description="module:attr of fn(samples, rewards [B] float32) -> rewards [B] float32, applied after "
+        "scoring and overlong shaping, before advantages. Empty = none.",
     )
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip: ratio >= 1 - clip_low.")
     clip_high: float = Field(
@@ -86,21 +134,109 @@ class AlgorithmConfig(_Section):
         description="PPO upper clip: ratio <= 1 + clip_high. 0.28 = DAPO clip-higher (arXiv:2503.14476); "
         "equal to clip_low gives plain PPO/GRPO.",
     )
-    kl_coef: float = Field(
-        0.0, ge=0.0, description="Weight of the KL-to-reference loss term; 0 skips the reference model entirely."
+    dual_clip_c: float = Field(
+        0.0,
+        ge=0.0,
+        description="Dual-clip constant c (> 1, typically 3): caps the loss of negative-advantage tokens at "
+        "c * |A| (arXiv:1912.09729); 0 disables. policy_loss ppo only.",
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="KL estimator (Schulman 2020): k3 is unbiased and low-variance (GRPO's choice)."
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the KL to the reference model; 0 skips the reference model entirely."
+    )
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "k3",
+        description="KL estimator (Schulman 2020): k3 is unbiased and low-variance (GRPO's choice); low_var_kl "
+        "is k3 clamped to [-10, 10]; k1 is the usual choice for a reward penalty.",
+    )
+    kl_mode: Literal["loss", "reward"] = Field(
+        "loss",
+        description="loss: differentiable KL term added to the loss (GRPO); reward: per-token penalty "
+        "-kl_coef * KL(old || ref) added to the rewards before advantages (PPO/REINFORCE++).",
     )
     entropy_coef: float = Field(
         0.0, ge=0.0, description="Entropy bonus weight (loss -= coef * entropy); 0 = entropy is only a metric."
     )
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
-        description="Per-token loss -> scalar. token_mean: DAPO; seq_mean_token_mean: GRPO paper; "
+        description="Per-token loss -> scalar. token_mean: DAPO; seq_mean_token_mean: GRPO paper, GSPO; "
         "seq_mean_token_sum_norm: Dr.GRPO (divides by sampling.max_new_tokens).",
     )
-    advantage_eps: float = Field(1e-6, gt=0.0, description="Added to the group std before dividing (grpo).")
+    advantage_eps: float = Field(1e-6, gt=0.0, description="Added to a std before dividing (grpo, reinforce++).")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of token rewards (gae, reinforce++); 1.0 = none.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (gae): 1.0 = Monte-Carlo, 0.0 = one-step TD.")
+    critic_path: str = Field(
+        "",
+        description="HF model directory (or registered name) initializing the critic of advantage 'gae'; a "
+        "scalar value head is added on top. Empty = the policy model.",
+    )
+    critic_lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate of the critic (gae).")
+    value_clip: float = Field(
+        0.2, gt=0.0, description="Critic value clipping range around the rollout-time values (gae), reward units."
+    )
+    teacher_path: str = Field(
+        "", description="HF model directory (or registered name) of the teacher for advantage 'opd'; same vocabulary."
+    )
+    teacher_temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="Temperature of the teacher's log-probs (opd): log softmax(teacher_logits / T). The student "
+        "uses rollout.sampling.temperature; set both equal to distill the sampled distributions.",
+    )
+    importance_sampling: Literal["none", "tis", "mis", "icepop"] = Field(
+        "none",
+        description="Rollout/training mismatch correction, weight from rho = pi_old / pi_rollout (no grad): tis "
+        "clamps rho to [importance_lower, importance_upper], mis zeroes it outside, icepop = mis per token "
+        "(arXiv:2510.18855). none: no correction (train_rollout_* metrics still measure the mismatch).",
+    )
+    importance_level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="Where rho is measured (tis/mis): token, sequence (product of token ratios) or geometric "
+        "(per-token geometric mean of the sequence).",
+    )
+    importance_lower: float = Field(0.0, ge=0.0, le=1.0, description="Lower bound of rho (tis/mis/icepop).")
+    importance_upper: float = Field(
+        2.0, ge=1.0, description="Upper bound of rho (tis/mis/icepop); TIS uses ~2, IcePop [0.5, 5]."
+    )
+    opsm: bool = Field(
+        False,
+        description="Off-policy sequence masking (DeepSeek-V3.2, arXiv:2512.02556): drop negative-advantage "
+        "sequences whose mean log(pi_rollout / pi_theta) exceeds opsm_threshold.",
+    )
+    opsm_threshold: float = Field(0.05, ge=0.0, description="OPSM divergence threshold delta, nats per token.")
+    overlong_filter: bool = Field(
+        False,
+        description="DAPO overlong filtering: samples cut at max_new_tokens (finish reason 'length') are not "
+        "trained (loss mask 0) but still count in their group's reward statistics.",
+    )
+    overlong_buffer_len: int = Field(
+        0,
+        ge=0,
+        description="DAPO soft overlong punishment (arXiv:2503.14476 Eq. 13): the last N tokens before "
+        "max_new_tokens ramp a reward penalty from 0 to -overlong_penalty_factor; 0 disables.",
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0.0, description="Penalty at max_new_tokens (overlong shaping).")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and generate "
+        "more prompts until rollout_batch_size groups are kept, at most dynamic_sampling_max_rounds rounds.",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        3,
+        ge=1,
+        description="Generation rounds per step with dynamic sampling (the first included); if the batch is "
+        "still short after them the step fails with an error naming the filtered counts.",
+    )
+    dynamic_sampling_over_sample: float = Field(
+        1.0,
+        ge=1.0,
+        description="Extra rounds of dynamic sampling ask for this factor times the missing groups (DAPO "
+        "over-samples, since many groups are filtered again); 1.0 = exactly the missing ones.",
+    )
+    dynamic_sampling_filter_path: str = Field(
+        "",
+        description="module:attr of a custom group filter fn(group: list[Sample]) -> bool (True = keep) "
+        "replacing the zero-variance test of dynamic sampling. Empty = built-in.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
@@ -109,6 +245,36 @@ class AlgorithmConfig(_Section):
                 f"algorithm.clip_high ({self.clip_high}) is below algorithm.clip_low ({self.clip_low}); clip-higher "
                 "(DAPO) raises the upper bound, never lowers it. Set --algorithm.clip-high >= clip_low."
             )
+        if self.dual_clip_c and (self.dual_clip_c <= 1.0 or self.policy_loss != "ppo"):
+            raise ValueError(
+                f"algorithm.dual_clip_c is {self.dual_clip_c} with policy_loss {self.policy_loss!r}; dual clip caps "
+                "ppo's loss at c*|A| and needs c > 1 to leave the clipped objective intact. Set "
+                "--algorithm.dual-clip-c 3 with --algorithm.policy-loss ppo, or 0 to disable."
+            )
+        if self.advantage_estimator == "opd" and not self.teacher_path:
+            raise ValueError(
+                "algorithm.advantage_estimator is 'opd' but algorithm.teacher_path is empty: on-policy distillation "
+                "needs a teacher's log-probs. Set --algorithm.teacher-path /path/to/teacher (same tokenizer)."
+            )
+        if self.teacher_path and self.advantage_estimator != "opd" and not self.advantage_estimator_path:
+            raise ValueError(
+                f"algorithm.teacher_path is set but advantage_estimator is {self.advantage_estimator!r}, which never "
+                "reads teacher log-probs, so the teacher would be loaded for nothing. Set "
+                "--algorithm.advantage-estimator opd, or drop --algorithm.teacher-path."
+            )
+        if self.critic_path and self.advantage_estimator != "gae":
+            raise ValueError(
+                f"algorithm.critic_path is set but advantage_estimator is {self.advantage_estimator!r}; only 'gae' "
+                "uses a critic. Set --algorithm.advantage-estimator gae, or drop --algorithm.critic-path."
+            )
+        from miles.core.plugins import load_plugin
+
+        for key, arity in PLUGIN_ARITY.items():  # fail at start-up, naming the key
+            if getattr(self, key):
+                try:
+                    load_plugin(getattr(self, key), key=f"algorithm.{key}", num_positional=arity)
+                except (ImportError, AttributeError, TypeError) as err:  # pydantic reports only ValueErrors
+                    raise ValueError(str(err)) from err
         return self
 
 
@@ -117,3 +283,9 @@ class LoopConfig(_Section):
 
     num_steps: int = Field(12, ge=1, description="Rollout steps (each: generate, score, train, push weights).")
     save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; 0 = only after the last.")
+    keep_checkpoints: int = Field(
+        0,
+        ge=0,
+        description="Keep only the newest N checkpoints (older ones are deleted after a newer one is published; "
+        "the one `latest` names always stays); 0 keeps all. 2 survives a crash during a save with room to spare.",
+    )

@@ -1,21 +1,29 @@
 """The synchronous training loop, as DESIGN.md section 4 states it:
-rollout -> reward -> advantages -> train -> push weights -> eval -> save."""
+rollout -> reward -> filter -> advantages -> (ref/old log-probs) -> train -> push weights -> eval -> save."""
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from miles.core.algorithms.advantages import compute_advantages
+from miles.core.algorithms.advantages import (
+    LOG_PROB_ESTIMATORS,
+    AdvantageInputs,
+    AdvantageParams,
+    compute_advantages,
+)
+from miles.core.algorithms.masking import overlong_filter_keep, overlong_penalty, response_mask
 from miles.core.batch import TrainBatch, build_train_batch
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
+from miles.core.plugins import load_plugin
 from miles.core.protocols import DataSource, MetricsSink, RewardFn, RolloutFn, TrainBackend, WeightPusher
 from miles.core.rewards import score_samples
-from miles.core.sample import Sample, SampleStatus
+from miles.core.sample import Sample, SampleStatus, group_samples
 
 logger = logging.getLogger(__name__)
 
@@ -65,28 +73,47 @@ def train_sync(
 
 
 def run_step(c: Components, *, step: int, rollout: RolloutConfig, algorithm: AlgorithmConfig) -> dict[str, float]:
-    """One rollout step: generate, score, compute advantages, train, push weights. Returns its metrics."""
+    """One rollout step: generate (+ dynamic sampling), score, shape, advantages, train, push weights."""
     t0 = time.perf_counter()
-    prompts = c.data_source.next_prompts(rollout.rollout_batch_size)
-    samples = c.rollout_fn(
-        prompts,
-        n_samples_per_prompt=rollout.n_samples_per_prompt,
-        sampling=rollout.sampling,
-        seed=rollout.seed + 1_000_003 * step,
-    )
+    samples, num_failed, filter_metrics = collect_samples(c, step=step, rollout=rollout, algorithm=algorithm)
     t_rollout = time.perf_counter() - t0
-    num_failed = score_samples(samples, c.reward_fn)
     valid = [s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples]
     if not any(valid):
         reasons = {s.metadata.get("failure", s.status.value) for s in samples}
         raise RuntimeError(f"step {step}: all {len(samples)} samples failed; reasons: {sorted(reasons)[:5]}")
-    rewards = torch.tensor([s.reward if v else 0.0 for s, v in zip(samples, valid)], dtype=torch.float32)
-    group_index = torch.tensor([s.group_index for s in samples], dtype=torch.int64)
+    scores = torch.tensor([s.reward if v else 0.0 for s, v in zip(samples, valid)], dtype=torch.float32)
+    rewards = shape_rewards(samples, scores, rollout=rollout, algorithm=algorithm)
+    trained = valid
+    if algorithm.overlong_filter:  # truncated samples stay in their group's statistics but are not trained
+        trained = [v and keep for v, keep in zip(valid, overlong_filter_keep(samples))]
     valid_t = torch.tensor(valid)
-    advantages = compute_advantages(
-        rewards, group_index, valid_t, estimator=algorithm.advantage_estimator, eps=algorithm.advantage_eps
+    batch = build_train_batch(samples, torch.zeros(len(samples)), pad_token_id=PAD_TOKEN_ID, trained=trained)
+    estimator = algorithm.advantage_estimator
+    if algorithm.advantage_estimator_path:
+        estimator = load_plugin(algorithm.advantage_estimator_path, key="algorithm.advantage_estimator_path")
+    kl_in_reward = algorithm.kl_coef > 0.0 and algorithm.kl_mode == "reward"
+    if estimator in LOG_PROB_ESTIMATORS or not isinstance(estimator, str) or kl_in_reward:
+        batch = c.backend.compute_log_probs(batch)  # old/ref/teacher log-probs and critic values
+    inputs = AdvantageInputs(
+        rewards=rewards,
+        group_index=torch.tensor([s.group_index for s in samples], dtype=torch.int64),
+        valid=valid_t,
+        loss_mask=batch.loss_mask,
+        response_mask=response_mask(batch.response_lengths, batch.loss_mask.shape[1]),
+        old_log_probs=batch.old_log_probs,
+        ref_log_probs=batch.ref_log_probs,
+        teacher_log_probs=batch.teacher_log_probs,
+        values=batch.values,
     )
-    batch = build_train_batch(samples, advantages, pad_token_id=PAD_TOKEN_ID, trained=valid)
+    params = AdvantageParams(
+        eps=algorithm.advantage_eps,
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        kl_coef_in_reward=algorithm.kl_coef if kl_in_reward else 0.0,
+        kl_estimator=algorithm.kl_estimator,
+    )
+    advantages, returns = compute_advantages(inputs, estimator=estimator, params=params)
+    batch = batch.replace(advantages=advantages, returns=returns)
 
     t1 = time.perf_counter()
     train_metrics = _train_on(c.backend, batch, rollout.steps_per_rollout)
@@ -96,13 +123,14 @@ def run_step(c: Components, *, step: int, rollout: RolloutConfig, algorithm: Alg
     version = c.weight_pusher.push(c.backend.export_weights())
     t_sync = time.perf_counter() - t2
 
-    metrics = rollout_metrics(samples, rewards[valid_t])
+    metrics = rollout_metrics(samples, scores[valid_t])
+    metrics.update(filter_metrics)
     num_response_tokens = sum(s.response_length for s in samples)
     num_tokens = sum(len(s.tokens) for s in samples)
     metrics.update(train_metrics)
     metrics.update(
         {
-            "advantages/mean": float(advantages[valid_t].mean()),
+            "advantages/mean": float(advantages[batch.loss_mask].mean()) if batch.num_loss_tokens else 0.0,
             "samples/failed": float(num_failed),
             "weight_version": float(version),
             "time/rollout": t_rollout,
@@ -116,9 +144,85 @@ def run_step(c: Components, *, step: int, rollout: RolloutConfig, algorithm: Alg
     return metrics
 
 
+def collect_samples(
+    c: Components, *, step: int, rollout: RolloutConfig, algorithm: AlgorithmConfig
+) -> tuple[list[Sample], int, dict[str, float]]:
+    """Generate and score ``rollout_batch_size`` groups; with dynamic sampling, keep only groups that pass the
+    filter (default: rewards not all equal) and generate more, for at most ``dynamic_sampling_max_rounds`` rounds.
+
+    Returns: (samples, number of failed samples, filter metrics: dynamic_sampling/{rounds, filtered_groups}).
+    Raises: RuntimeError naming the counts when dynamic sampling cannot fill the batch in its rounds.
+    """
+    group_filter = _keeps_signal
+    if algorithm.dynamic_sampling_filter_path:
+        group_filter = load_plugin(algorithm.dynamic_sampling_filter_path, key="algorithm.dynamic_sampling_filter_path")
+    num_rounds = algorithm.dynamic_sampling_max_rounds if algorithm.dynamic_sampling else 1
+    kept: list[list[Sample]] = []
+    num_failed = num_filtered = 0
+    for round_index in range(num_rounds):
+        missing = rollout.rollout_batch_size - len(kept)
+        num_prompts = missing if round_index == 0 else math.ceil(missing * algorithm.dynamic_sampling_over_sample)
+        samples = c.rollout_fn(
+            c.data_source.next_prompts(num_prompts),
+            n_samples_per_prompt=rollout.n_samples_per_prompt,
+            sampling=rollout.sampling,
+            seed=rollout.seed + 1_000_003 * step + 7_919 * round_index,
+        )
+        num_failed += score_samples(samples, c.reward_fn)
+        if not algorithm.dynamic_sampling:
+            return samples, num_failed, {}
+        for group in group_samples(samples):
+            if len(kept) < rollout.rollout_batch_size and group_filter(group):
+                kept.append(group)
+            else:
+                num_filtered += 1
+        if len(kept) == rollout.rollout_batch_size:
+            samples = [s for group in kept for s in group]
+            for i, sample in enumerate(samples):
+                sample.index = i
+            metrics = {
+                "dynamic_sampling/rounds": float(round_index + 1),
+                "dynamic_sampling/filtered_groups": num_filtered,
+            }
+            return samples, num_failed, metrics
+    logger.warning("step %d: dynamic sampling kept %d groups, filtered %d", step, len(kept), num_filtered)
+    raise RuntimeError(
+        f"step {step}: dynamic sampling kept {len(kept)} of rollout.rollout_batch_size={rollout.rollout_batch_size} "
+        f"groups after algorithm.dynamic_sampling_max_rounds={num_rounds} generation rounds ({num_filtered} groups "
+        "filtered: all rewards equal, so no learning signal). The task is too easy or too hard for the model: raise "
+        "--algorithm.dynamic-sampling-max-rounds or --algorithm.dynamic-sampling-over-sample, raise "
+        "--rollout.n-samples-per-prompt, or pick a task of fitting difficulty."
+    )
+
+
+def _keeps_signal(group: Sequence[Sample]) -> bool:
+    """Default dynamic-sampling filter: at least two valid samples with different rewards."""
+    rewards = {s.reward for s in group if s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED)}
+    return len(rewards) > 1
+
+
+def shape_rewards(
+    samples: Sequence[Sample], scores: torch.Tensor, *, rollout: RolloutConfig, algorithm: AlgorithmConfig
+) -> torch.Tensor:
+    """Scores [B] float32 -> rewards [B] float32: DAPO overlong penalty, then the reward post-process plugin."""
+    rewards = scores
+    if algorithm.overlong_buffer_len:
+        lengths = torch.tensor([s.response_length for s in samples], dtype=torch.int64)
+        rewards = rewards + overlong_penalty(
+            lengths,
+            max_length=rollout.sampling.max_new_tokens,
+            buffer_length=algorithm.overlong_buffer_len,
+            factor=algorithm.overlong_penalty_factor,
+        )
+    if algorithm.reward_post_process_path:
+        post_process = load_plugin(algorithm.reward_post_process_path, key="algorithm.reward_post_process_path")
+        rewards = post_process(list(samples), rewards)
+    return rewards
+
+
 def _train_on(backend: TrainBackend, batch: TrainBatch, steps_per_rollout: int) -> dict[str, float]:
     """Split the rollout into ``steps_per_rollout`` optimizer steps; average their metrics."""
-    if steps_per_rollout > 1:
+    if steps_per_rollout > 1 and batch.old_log_probs is None:
         # Several optimizer steps per rollout: the PPO denominator must be the pre-update policy.
         batch = backend.compute_log_probs(batch)
     size = batch.batch_size // steps_per_rollout

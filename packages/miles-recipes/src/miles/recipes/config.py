@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+from miles.core.algorithms.advantages import GROUP_BASELINE_ESTIMATORS
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
 from miles.rollout.config import DataConfig, EngineConfig, RewardConfig
 from miles.train.config import TrainConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-# Advantage estimators whose baseline is the group: a group of one sample has no signal.
-GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo")
 
 
 class ModelConfig(BaseModel):
@@ -51,13 +49,7 @@ class MilesConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> MilesConfig:
-        n = self.rollout.n_samples_per_prompt
-        if self.algorithm.advantage_estimator in GROUP_BASELINE_ESTIMATORS and n < 2:
-            raise ValueError(
-                f"rollout.n_samples_per_prompt is {n}, but advantage '{self.algorithm.advantage_estimator}' needs "
-                "at least 2: advantages are rewards minus the group mean, so a group of one always gets 0 and "
-                "nothing is learned. Set --rollout.n-samples-per-prompt 4 (or more)."
-            )
+        self._check_algorithm()
         if self.reward.type == "reasoning_gym" and self.data.source != "reasoning_gym":
             raise ValueError(
                 "reward.type is 'reasoning_gym' but data.source is "
@@ -71,3 +63,49 @@ class MilesConfig(BaseModel):
                 "Set --train.world-size 1."
             )
         return self
+
+    def _check_algorithm(self) -> None:
+        """Refuse algorithm settings that would silently do nothing with this rollout shape."""
+        algorithm, n = self.algorithm, self.rollout.n_samples_per_prompt
+        estimator = algorithm.advantage_estimator
+        group_baseline = estimator in GROUP_BASELINE_ESTIMATORS and not algorithm.advantage_estimator_path
+        if group_baseline and algorithm.policy_loss != "sft" and n < 2:
+            raise ValueError(
+                f"rollout.n_samples_per_prompt is {n}, but advantage '{estimator}' needs at least 2: its baseline "
+                "is the group (the mean of the prompt's samples), so a group of one always gets advantage 0 and "
+                "nothing is learned. Set --rollout.n-samples-per-prompt 4 (or more), or pick an estimator without "
+                "a group baseline (--algorithm.advantage-estimator reinforce_plus_plus or gae)."
+            )
+        if algorithm.dynamic_sampling and n < 2:
+            raise ValueError(
+                f"algorithm.dynamic_sampling is on with rollout.n_samples_per_prompt {n}: a group of one never "
+                "has reward variance, so every group would be filtered. Set --rollout.n-samples-per-prompt 4 (or "
+                "more), or --algorithm.dynamic-sampling false."
+            )
+        if (self.rollout.mode == "sft") != (algorithm.policy_loss == "sft"):
+            raise ValueError(
+                f"rollout.mode is {self.rollout.mode!r} but algorithm.policy_loss is {algorithm.policy_loss!r}: "
+                "supervised fine-tuning needs both (reference answers as responses, trained by likelihood), and "
+                "either alone trains on nothing useful. Set --rollout.mode sft --algorithm.policy-loss sft "
+                "together, or neither."
+            )
+        from pathlib import Path
+
+        from miles.recipes.registry import MODELS
+
+        for key, path in (
+            ("algorithm.teacher_path", algorithm.teacher_path),
+            ("algorithm.critic_path", algorithm.critic_path),
+        ):
+            if path and path not in MODELS and not (Path(path).expanduser() / "config.json").is_file():
+                raise ValueError(
+                    f"{key} is {path!r}: not a registered model {sorted(MODELS)} and not a directory with "
+                    f"config.json. Pass --{key.replace('_', '-')} with a registered name or a local HF model directory."
+                )
+        max_len = self.rollout.sampling.max_new_tokens
+        if algorithm.overlong_buffer_len > max_len:
+            raise ValueError(
+                f"algorithm.overlong_buffer_len is {algorithm.overlong_buffer_len}, longer than "
+                f"rollout.sampling.max_new_tokens {max_len}: the penalty ramp must fit inside the length limit. "
+                f"Set --algorithm.overlong-buffer-len to at most {max_len} (DAPO: a quarter of it)."
+            )

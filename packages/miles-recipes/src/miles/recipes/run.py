@@ -56,6 +56,18 @@ def build_reward(reward: RewardConfig) -> RewardFn:
     return load_plugin(reward.path, key="reward.path", num_positional=1)
 
 
+def algorithm_models(cfg: MilesConfig, model_path: Path) -> dict[str, Path | None]:
+    """The teacher and critic model directories the algorithm needs (registered names resolved), as backend kwargs."""
+    from miles.core.algorithms.advantages import CRITIC_ESTIMATORS
+
+    algorithm = cfg.algorithm
+    teacher = resolve_model_path(algorithm.teacher_path) if algorithm.teacher_path else None
+    critic = None
+    if algorithm.advantage_estimator in CRITIC_ESTIMATORS and not algorithm.advantage_estimator_path:
+        critic = resolve_model_path(algorithm.critic_path) if algorithm.critic_path else model_path
+    return {"teacher_path": teacher, "critic_path": critic}
+
+
 def run(cfg: MilesConfig, run_dir: Path) -> Path:
     """Train per ``cfg``, writing ``config.yaml``, ``metrics.jsonl``, checkpoints and ``reward.png`` to run_dir.
 
@@ -63,6 +75,7 @@ def run(cfg: MilesConfig, run_dir: Path) -> Path:
     """
     from miles.rollout.engines import EmbeddedEngine
     from miles.rollout.generate import ChatRollout
+    from miles.rollout.sft import SFTRollout
     from miles.sync import InProcessTransport, WeightSender
     from miles.train import FSDP2Backend
     from transformers import AutoTokenizer
@@ -90,6 +103,7 @@ def run(cfg: MilesConfig, run_dir: Path) -> Path:
         algorithm=cfg.algorithm,
         temperature=cfg.rollout.sampling.temperature,
         max_new_tokens=cfg.rollout.sampling.max_new_tokens,
+        **algorithm_models(cfg, model_path),
     )
     sender = WeightSender(InProcessTransport(engine.receiver))
     logger.info(
@@ -113,7 +127,11 @@ def run(cfg: MilesConfig, run_dir: Path) -> Path:
 
     components = Components(
         data_source=data_source,
-        rollout_fn=ChatRollout(engine, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens),
+        rollout_fn=(
+            SFTRollout(tokenizer)
+            if cfg.rollout.mode == "sft"
+            else ChatRollout(engine, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens)
+        ),
         reward_fn=reward_fn,
         backend=backend,
         weight_pusher=sender,

@@ -1,16 +1,55 @@
-"""Pure tensor functions: advantage estimators, policy losses, KL estimators, aggregation."""
+"""Pure tensor functions: advantage estimators, policy and value losses, KL estimators, rollout corrections,
+length masks and shaping. Each kind has one registry; see docs/algorithms.md."""
 
-from miles.core.algorithms.advantages import compute_advantages, group_mean_std, grpo_advantages
+from miles.core.algorithms.advantages import (
+    AdvantageInputs,
+    AdvantageParams,
+    compute_advantages,
+    gae_advantages,
+    group_mean_std,
+    grpo_advantages,
+    opd_advantages,
+    rloo_advantages,
+    whiten,
+)
+from miles.core.algorithms.importance import ess_ratio, importance_weights, off_policy_sequence_mask
 from miles.core.algorithms.kl import kl_estimate
-from miles.core.algorithms.losses import aggregate, entropy_from_logits, policy_loss, ppo_clip
+from miles.core.algorithms.losses import (
+    LossParams,
+    aggregate,
+    cispo_loss,
+    entropy_from_logits,
+    gspo_loss,
+    policy_loss,
+    ppo_clip,
+    sft_loss,
+    value_loss,
+)
+from miles.core.algorithms.masking import overlong_filter_keep, overlong_penalty
 
 __all__ = [
+    "AdvantageInputs",
+    "AdvantageParams",
+    "LossParams",
     "aggregate",
+    "cispo_loss",
     "compute_advantages",
     "entropy_from_logits",
+    "ess_ratio",
+    "gae_advantages",
     "group_mean_std",
     "grpo_advantages",
+    "gspo_loss",
+    "importance_weights",
     "kl_estimate",
+    "off_policy_sequence_mask",
+    "opd_advantages",
+    "overlong_filter_keep",
+    "overlong_penalty",
     "policy_loss",
     "ppo_clip",
+    "rloo_advantages",
+    "sft_loss",
+    "value_loss",
+    "whiten",
 ]

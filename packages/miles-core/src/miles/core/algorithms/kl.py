@@ -3,6 +3,7 @@
 With log_ratio = ref_log_probs - log_probs (log pi_ref/pi_theta of the sampled token), Schulman's estimators of
 KL(pi_theta || pi_ref) are k1 = -log_ratio, k2 = log_ratio^2 / 2, k3 = exp(log_ratio) - log_ratio - 1.
 Reference: J. Schulman, "Approximating KL Divergence" (2020), http://joschu.net/blog/kl-approx.html.
+``low_var_kl`` is k3 clamped to [-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP] (verl's name), bounding rare huge terms.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-KLEstimator = Literal["k1", "k2", "k3"]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 
 # exp() of a log-ratio above this overflows float32 gradients; k3 clamps the log-ratio (low-variance variant).
 LOG_RATIO_CLAMP = 20.0
+# low_var_kl caps each per-token k3 term here (verl, core_algos.kl_penalty): one outlier token cannot dominate.
+LOW_VAR_KL_CLAMP = 10.0
 
 
 def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, *, estimator: KLEstimator) -> Tensor:
@@ -25,7 +28,7 @@ def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, *, estimator: KLEstima
         log_probs: [B, T] float32 nats, current policy, carries grad.
         ref_log_probs: [B, T] float32 nats, frozen reference policy; no grad.
         estimator: "k1" (unbiased, high variance, can be negative), "k2" (biased, >= 0),
-            "k3" (unbiased, >= 0, low variance; used by GRPO).
+            "k3" (unbiased, >= 0, low variance; used by GRPO), "low_var_kl" (k3 clamped to [-10, 10]).
     Returns: [B, T] float32, unmasked (the caller aggregates with the loss mask).
     Raises: ValueError on shape mismatch or an unknown estimator.
     References: Schulman (2020) k1/k2/k3; GRPO arXiv:2402.03300 Eq. 4 (k3).
@@ -37,7 +40,8 @@ def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, *, estimator: KLEstima
         return -log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio.square()
-    if estimator == "k3":
+    if estimator in ("k3", "low_var_kl"):
         log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.exp(log_ratio) - log_ratio - 1.0
-    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of 'k1', 'k2', 'k3'")
+        k3 = torch.exp(log_ratio) - log_ratio - 1.0
+        return k3 if estimator == "k3" else k3.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of 'k1', 'k2', 'k3', 'low_var_kl'")

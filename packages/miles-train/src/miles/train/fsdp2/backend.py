@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from miles.core.algorithms.losses import aggregate, policy_loss
+from miles.core.algorithms.importance import importance_weights, off_policy_sequence_mask
+from miles.core.algorithms.losses import ADVANTAGE_WEIGHTED_LOSSES, LossParams, aggregate, policy_loss
 from miles.core.batch import TrainBatch, split_micro_batches
 from miles.core.config import AlgorithmConfig
 from miles.core.log_probs import model_response_log_probs, warn_if_slow_bf16
+from miles.core.plugins import load_plugin
 from miles.train.config import TrainConfig
 from torch import Tensor
 
@@ -40,6 +42,9 @@ class FSDP2Backend:
         algorithm: loss section (clip, KL, entropy, aggregation).
         temperature: sampling temperature of the rollouts being trained on (log-probs use logits / T).
         max_new_tokens: the normalizer of ``seq_mean_token_sum_norm``.
+        teacher_path: HF directory of a frozen teacher (on-policy distillation); its log-probs use
+            ``algorithm.teacher_temperature``. None = no teacher.
+        critic_path: HF directory initializing a critic (PPO/GAE, see ``critic.py``). None = no critic.
     """
 
     def __init__(
@@ -50,6 +55,8 @@ class FSDP2Backend:
         algorithm: AlgorithmConfig,
         temperature: float,
         max_new_tokens: int,
+        teacher_path: str | Path | None = None,
+        critic_path: str | Path | None = None,
     ) -> None:
         from miles.train.fsdp2.parallelize import parallelize
         from torch.distributed.device_mesh import init_device_mesh
@@ -80,31 +87,75 @@ class FSDP2Backend:
         if algorithm.kl_coef > 0.0:  # reference = frozen initial policy, unsharded, no grad
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=PARAM_DTYPES[train.dtype]).eval()
             self.ref_model.requires_grad_(False)
+        self.teacher_model = None
+        if teacher_path is not None:  # frozen, unsharded, no grad; same vocabulary as the policy
+            self.teacher_model = AutoModelForCausalLM.from_pretrained(
+                teacher_path, dtype=PARAM_DTYPES[train.dtype]
+            ).eval()
+            self.teacher_model.requires_grad_(False)
+        self.critic = None
+        if critic_path is not None:
+            from miles.train.fsdp2.critic import Critic
+
+            self.critic = Critic(
+                critic_path,
+                mesh=mesh,
+                param_dtype=PARAM_DTYPES[train.dtype],
+                lr=algorithm.critic_lr,
+                value_clip=algorithm.value_clip,
+                micro_batch_size=train.micro_batch_size,
+                grad_clip=train.grad_clip,
+            )
+        self.loss_fn = (
+            load_plugin(algorithm.policy_loss_path, key="algorithm.policy_loss_path", num_positional=5)
+            if algorithm.policy_loss_path
+            else algorithm.policy_loss
+        )
+        self.reducer = (
+            load_plugin(algorithm.loss_reducer_path, key="algorithm.loss_reducer_path", num_positional=4)
+            if algorithm.loss_reducer_path
+            else None
+        )
+        self.loss_params = LossParams(
+            clip_low=algorithm.clip_low, clip_high=algorithm.clip_high, dual_clip_c=algorithm.dual_clip_c
+        )
         self.step = 0
         self.num_skipped_steps = 0
 
     # -- log-probs ------------------------------------------------------------------------------
-    def _log_probs(self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    def _log_probs(
+        self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool, temperature: float | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         return model_response_log_probs(
             model,
             mb.tokens,
             mb.attention_mask,
             mb.prompt_lengths,
             num_response_columns=mb.loss_mask.shape[1],
-            temperature=self.temperature,
+            temperature=self.temperature if temperature is None else temperature,
             with_entropy=with_entropy,
         )
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch) -> TrainBatch:
-        """Set ``old_log_probs`` (current policy) and, with a reference model, ``ref_log_probs``; [B, T] f32."""
-        old, ref = [], []
+        """Set ``old_log_probs`` (current policy) and, with the models held, ``ref_log_probs``,
+        ``teacher_log_probs`` (at ``algorithm.teacher_temperature``) and critic ``values``; [B, T] f32."""
+        old, ref, teacher = [], [], []
+        width = batch.loss_mask.shape[1]
         for mb in split_micro_batches(batch, self.train_cfg.micro_batch_size):
-            width = batch.loss_mask.shape[1]
             old.append(_pad_cols(self._log_probs(self.model, mb, with_entropy=False)[0], width))
             if self.ref_model is not None:
                 ref.append(_pad_cols(self._log_probs(self.ref_model, mb, with_entropy=False)[0], width))
-        return batch.replace(old_log_probs=torch.cat(old), ref_log_probs=torch.cat(ref) if ref else batch.ref_log_probs)
+            if self.teacher_model is not None:
+                temperature = self.algorithm.teacher_temperature
+                lp = self._log_probs(self.teacher_model, mb, with_entropy=False, temperature=temperature)[0]
+                teacher.append(_pad_cols(lp, width))
+        return batch.replace(
+            old_log_probs=torch.cat(old),
+            ref_log_probs=torch.cat(ref) if ref else batch.ref_log_probs,
+            teacher_log_probs=torch.cat(teacher) if teacher else batch.teacher_log_probs,
+            values=self.critic.compute_values(batch) if self.critic is not None else batch.values,
+        )
 
     # -- training -------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -115,6 +166,10 @@ class FSDP2Backend:
         """
         metrics = self.forward_backward(batch)
         metrics.update(self.optimizer_step(loss=metrics["loss"]))
+        if self.critic is not None:
+            counts = torch.tensor([batch.num_loss_tokens], dtype=torch.float64)
+            dist.all_reduce(counts)
+            metrics.update(self.critic.train_step(batch, num_tokens=int(counts[0])))
         return metrics
 
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
@@ -140,30 +195,29 @@ class FSDP2Backend:
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once, at the end
             log_probs, entropy = self._log_probs(self.model, mb, with_entropy=True)
             old_log_probs = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
+            loss_mask, token_weights, correction = self._rollout_correction(mb, log_probs, old_log_probs)
+            tok = dict(mode="token_mean", num_tokens=metrics_num_tokens or num_tokens)
             loss, metrics = policy_loss(
                 log_probs,
                 old_log_probs,
                 mb.advantages,
-                mb.loss_mask,
-                clip_low=self.algorithm.clip_low,
-                clip_high=self.algorithm.clip_high,
+                loss_mask,
+                params=self.loss_params,
                 aggregation=self.algorithm.aggregation,
                 num_tokens=num_tokens,
                 num_sequences=num_sequences,
+                loss=self.loss_fn,
+                reducer=self.reducer,
                 normalizer=float(self.max_new_tokens),
+                token_weights=token_weights,
                 ref_log_probs=mb.ref_log_probs,
-                kl_coef=self.algorithm.kl_coef,
+                kl_coef=self.algorithm.kl_coef if self.algorithm.kl_mode == "loss" else 0.0,
                 kl_estimator=self.algorithm.kl_estimator,
                 entropy=entropy,
                 entropy_coef=self.algorithm.entropy_coef,
                 metrics_num_tokens=metrics_num_tokens,
             )
-            if mb.rollout_log_probs is not None:
-                with torch.no_grad():
-                    tok = dict(mode="token_mean", num_tokens=metrics_num_tokens or num_tokens)
-                    diff = old_log_probs - mb.rollout_log_probs
-                    metrics["train_rollout_logprob_abs_diff"] = aggregate(diff.abs(), mb.loss_mask, **tok)
-                    metrics["train_rollout_kl"] = aggregate(-diff, mb.loss_mask, **tok)
+            metrics.update({name: aggregate(v, mb.loss_mask, **tok) for name, v in correction.items()})
             # FSDP2 averages gradients over ranks; the loss already divides by global counts, so undo it.
             (loss * self.world_size).backward()
             for name, value in metrics.items():
@@ -172,7 +226,50 @@ class FSDP2Backend:
         names = sorted(sums)
         totals = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64) for n in names])
         dist.all_reduce(totals)
-        return dict(zip(names, totals.tolist()))  # host sync
+        metrics = dict(zip(names, totals.tolist()))  # host sync
+        if "_is_weight_sq" in metrics:  # ESS ratio = mean(w)^2 / mean(w^2), from token means over the global batch
+            sq_mean = metrics.pop("_is_weight_sq")
+            metrics["ess_ratio"] = metrics.pop("_is_weight") ** 2 / sq_mean if sq_mean > 0 else 1.0
+        return metrics
+
+    def _rollout_correction(
+        self, mb: TrainBatch, log_probs: Tensor, old_log_probs: Tensor
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+        """Loss mask after OPSM, detached importance weights (TIS/MIS/icepop) and per-token mismatch values.
+
+        Returns: (loss_mask [b, t] bool, token_weights [b, t] float32 or None, {metric: [b, t] per-token values}
+            to be token-averaged: train_rollout_logprob_abs_diff, train_rollout_kl, tis_clipfrac and the ESS terms).
+        """
+        cfg, loss_mask = self.algorithm, mb.loss_mask
+        if mb.rollout_log_probs is None:
+            if cfg.importance_sampling != "none" or cfg.opsm:
+                raise ValueError(
+                    "algorithm.importance_sampling / algorithm.opsm need the engine's rollout_log_probs, but the "
+                    "batch has none; use an engine that returns log-probs, or set them to none / false."
+                )
+            return loss_mask, None, {}
+        diff = (old_log_probs - mb.rollout_log_probs).detach()
+        values = {"train_rollout_logprob_abs_diff": diff.abs(), "train_rollout_kl": -diff}
+        if cfg.opsm:
+            loss_mask = off_policy_sequence_mask(
+                log_probs, mb.rollout_log_probs, mb.advantages, loss_mask, threshold=cfg.opsm_threshold
+            )
+            values["opsm_masked_frac"] = (mb.loss_mask & ~loss_mask).float()
+        token_weights = None
+        if cfg.importance_sampling != "none":
+            token_weights, outside = importance_weights(
+                old_log_probs.detach(),
+                mb.rollout_log_probs,
+                loss_mask,
+                mode=cfg.importance_sampling,
+                level=cfg.importance_level,
+                lower=cfg.importance_lower,
+                upper=cfg.importance_upper,
+            )
+            values.update(
+                {"tis_clipfrac": outside.float(), "_is_weight": token_weights, "_is_weight_sq": token_weights**2}
+            )
+        return loss_mask, token_weights, values
 
     def _drop_rows_without_signal(self, batch: TrainBatch) -> tuple[TrainBatch, int]:
         """Drop samples whose advantages are all 0 when nothing else (KL, entropy bonus) gives them a gradient.
@@ -181,7 +278,9 @@ class FSDP2Backend:
         counted before the drop. GRPO groups with equal rewards are all-zero, often most of a batch early on.
         Only with world size 1: FSDP2 ranks must run the same number of backward passes.
         """
-        if self.world_size > 1 or self.algorithm.kl_coef > 0.0 or self.algorithm.entropy_coef > 0.0:
+        kl_loss = self.algorithm.kl_coef > 0.0 and self.algorithm.kl_mode == "loss"
+        advantage_weighted = isinstance(self.loss_fn, str) and self.loss_fn in ADVANTAGE_WEIGHTED_LOSSES
+        if self.world_size > 1 or kl_loss or self.algorithm.entropy_coef > 0.0 or not advantage_weighted:
             return batch, 0
         keep = ((batch.advantages != 0) & batch.loss_mask).any(dim=1)
         if not keep.any():  # keep one row (zero gradient) so that entropy and log-prob metrics are still measured

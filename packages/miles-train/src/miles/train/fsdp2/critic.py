@@ -1,0 +1,108 @@
+"""The PPO critic: an HF backbone with a scalar value head, sharded with FSDP2 and trained on clipped value loss."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from miles.core.algorithms.losses import aggregate, value_loss
+from miles.core.batch import TrainBatch, split_micro_batches
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+def response_values(scores: Tensor, prompt_lengths: Tensor, *, num_response_columns: int) -> Tensor:
+    """Values of the response states in ``TrainBatch`` [B, T] layout.
+
+    V(s_t), the state before response token t, is read at position p_b + t - 1 (the position whose logits predict
+    token t), so values and log-probs of one column belong to the same state.
+
+    Args:
+        scores: [B, L] float, the value head's output at every position.
+        prompt_lengths: [B] int64, p_b >= 1.
+        num_response_columns: T.
+    Returns: [B, T] float32 (garbage past each response; mask it).
+    """
+    cols = torch.arange(num_response_columns, device=scores.device)
+    pos = (prompt_lengths[:, None] - 1 + cols[None, :]).clamp(max=scores.shape[1] - 1)
+    return scores.gather(1, pos).float()
+
+
+class Critic:
+    """Value model V(s_t) for GAE: a token-classification head (1 label) on an HF decoder, with its own AdamW.
+
+    Args:
+        model_path: HF model directory initializing the backbone (usually the policy); the head starts random.
+        mesh: the data-parallel device mesh of the policy.
+        param_dtype: compute dtype of the all-gathered parameters.
+        lr: critic learning rate; value_clip: clip range of the value loss.
+        micro_batch_size: sequences per forward/backward; grad_clip: gradient norm clip.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        mesh,
+        param_dtype: torch.dtype,
+        lr: float,
+        value_clip: float,
+        micro_batch_size: int,
+        grad_clip: float,
+    ) -> None:
+        from miles.train.fsdp2.parallelize import parallelize
+        from transformers import AutoModelForTokenClassification
+
+        model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32)
+        model.config.use_cache = False
+        self.model = parallelize(model, mesh=mesh, param_dtype=param_dtype)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.value_clip, self.micro_batch_size, self.grad_clip = value_clip, micro_batch_size, grad_clip
+        self.world_size = dist.get_world_size()
+
+    def _values(self, mb: TrainBatch) -> Tensor:
+        scores = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long()).logits[..., 0]  # [b, L]
+        return response_values(scores, mb.prompt_lengths, num_response_columns=mb.loss_mask.shape[1])
+
+    @torch.no_grad()
+    def compute_values(self, batch: TrainBatch) -> Tensor:
+        """[B, T] float32 values of the batch's response states, 0 past each response."""
+        width = batch.loss_mask.shape[1]
+        parts = [
+            torch.nn.functional.pad(self._values(mb), (0, width - mb.loss_mask.shape[1]))
+            for mb in split_micro_batches(batch, self.micro_batch_size)
+        ]
+        values = torch.cat(parts)
+        cols = torch.arange(width)[None, :] < batch.response_lengths[:, None]
+        return torch.where(cols, values, 0.0)
+
+    def train_step(self, batch: TrainBatch, *, num_tokens: int) -> dict[str, float]:
+        """One optimizer step of the clipped value loss (token mean over the global ``num_tokens``).
+
+        Raises: ValueError if the batch lacks ``values`` or ``returns`` (run GAE first).
+        """
+        if batch.values is None or batch.returns is None:
+            raise ValueError("critic.train_step needs batch.values and batch.returns (computed with advantage 'gae')")
+        sums = {"loss/value": torch.zeros(()), "value_clipfrac": torch.zeros(())}
+        micro_batches = split_micro_batches(batch, self.micro_batch_size)
+        for i, mb in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            token_loss, clipped = value_loss(self._values(mb), mb.values, mb.returns, clip=self.value_clip)
+            loss = aggregate(token_loss, mb.loss_mask, mode="token_mean", num_tokens=num_tokens)
+            (loss * self.world_size).backward()  # FSDP2 averages over ranks; the loss already uses global counts
+            sums["loss/value"] += loss.detach()
+            sums["value_clipfrac"] += aggregate(clipped.float(), mb.loss_mask, mode="token_mean", num_tokens=num_tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = torch.stack([sums["loss/value"], sums["value_clipfrac"]]).double()
+        dist.all_reduce(totals)
+        return {
+            "loss/value": float(totals[0]),
+            "value_clipfrac": float(totals[1]),
+            "critic_grad_norm": float(grad_norm),
+        }

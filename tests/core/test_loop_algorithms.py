@@ -1,0 +1,238 @@
+"""The loop's algorithm stages (dynamic sampling, failed rewards, overlong filtering and shaping, plugins, eval
+sampling) with scripted rollouts and a recording backend; the eval test drives the tiny model's real engine."""
+
+import logging
+import sys
+import textwrap
+
+import pytest
+import torch
+from miles.core.config import AlgorithmConfig, EvalConfig, RolloutConfig, SamplingConfig
+from miles.core.loop import Components, evaluate, run_step
+from miles.core.sample import Sample, SampleStatus
+
+
+class Prompts:
+    def __init__(self):
+        self.count = 0
+
+    def next_prompts(self, num):
+        prompts = [Sample(index=i, group_index=self.count + i, prompt=[1, 3]) for i in range(num)]
+        self.count += num
+        return prompts
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+class ScriptedRollout:
+    """Each call answers every prompt with the next scripted group: (response tokens, finish status) per sample."""
+
+    def __init__(self, groups):
+        self.groups = iter(groups)
+        self.calls = []
+
+    def __call__(self, prompts, *, n_samples_per_prompt, sampling, seed):
+        self.calls.append(len(prompts))
+        samples = []
+        for prompt in prompts:
+            for response, status in next(self.groups):
+                samples.append(
+                    Sample(
+                        index=len(samples),
+                        group_index=prompt.group_index,
+                        prompt=prompt.prompt,
+                        tokens=[1, 3, *response],
+                        response_length=len(response),
+                        rollout_log_probs=[-1.0] * len(response),
+                        status=status,
+                    )
+                )
+        return samples
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.batches = []
+
+    def compute_log_probs(self, batch):
+        return batch.replace(old_log_probs=torch.zeros(batch.loss_mask.shape))
+
+    def train_step(self, batch):
+        self.batches.append(batch)
+        return {"loss": 0.0}
+
+    def export_weights(self):
+        return iter(())
+
+
+class Pusher:
+    def push(self, named_tensors):
+        list(named_tensors)
+        return 1
+
+
+def _components(rollout_fn, reward_fn):
+    return Components(
+        data_source=Prompts(),
+        rollout_fn=rollout_fn,
+        reward_fn=reward_fn,
+        backend=RecordingBackend(),
+        weight_pusher=Pusher(),
+        sink=None,
+    )
+
+
+def reward_is_first_token(sample):
+    return float(sample.response_tokens[0])
+
+
+DONE = SampleStatus.COMPLETED
+
+
+def test_dynamic_sampling_without_any_signal_stops_after_exactly_the_round_bound(caplog):
+    equal_groups = [[([0], DONE), ([0], DONE)], [([1], DONE), ([1], DONE)]] * 10
+    rollout_fn = ScriptedRollout(equal_groups)
+    algorithm = AlgorithmConfig(dynamic_sampling=True, dynamic_sampling_max_rounds=3)
+    rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2)
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.raises(RuntimeError, match=r"kept 0 of .*max_rounds=3 generation rounds \(6 groups filtered"),
+    ):
+        run_step(_components(rollout_fn, reward_is_first_token), step=0, rollout=rollout, algorithm=algorithm)
+    assert rollout_fn.calls == [2, 2, 2]
+    assert "filtered 6" in caplog.text
+
+
+def test_dynamic_sampling_keeps_groups_with_signal_and_over_samples_the_missing_ones():
+    flat, mixed = [([1], DONE), ([1], DONE)], [([0], DONE), ([1], DONE)]
+    # Round 1: [flat, mixed] keeps 1 group; round 2 asks ceil(1 * 2.0) = 2 prompts: [flat, mixed] fills the batch.
+    rollout_fn = ScriptedRollout([flat, mixed, flat, mixed])
+    c = _components(rollout_fn, reward_is_first_token)
+    algorithm = AlgorithmConfig(dynamic_sampling=True, dynamic_sampling_over_sample=2.0)
+    metrics = run_step(
+        c, step=0, rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2), algorithm=algorithm
+    )
+    assert rollout_fn.calls == [2, 2]
+    assert metrics["dynamic_sampling/rounds"] == 2 and metrics["dynamic_sampling/filtered_groups"] == 2
+    (batch,) = c.backend.batches
+    assert batch.advantages[:, 0].tolist() == pytest.approx([-0.70711, 0.70711, -0.70711, 0.70711], abs=1e-5)
+
+
+@pytest.mark.parametrize("bad_token", [pytest.param(7, id="reward_raises"), pytest.param(8, id="reward_is_none")])
+def test_a_failing_reward_in_one_group_leaves_the_other_group_and_the_rest_of_its_own_trained(bad_token):
+    # Group 1: rewards [x, 1, 0] where x raises (or is None); group 2: [0, 1, 0, 1].
+    def reward(sample):
+        if sample.response_tokens[0] == 7:
+            raise KeyError("no answer")
+        if sample.response_tokens[0] == 8:
+            return None
+        return float(sample.response_tokens[0])
+
+    group1 = [([bad_token], DONE), ([1], DONE), ([0], DONE)]
+    group2 = [([0], DONE), ([1], DONE), ([0], DONE), ([1], DONE)]
+    c = _components(ScriptedRollout([group1, group2]), reward)
+    metrics = run_step(
+        c,
+        step=0,
+        rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=3),
+        algorithm=AlgorithmConfig(advantage_eps=1e-12),
+    )
+    (batch,) = c.backend.batches
+    advantages = batch.advantages[:, 0].tolist()
+    # Group 1 over the two valid samples [1, 0]: +-0.7071; the failed sample gets 0 and no loss mask.
+    assert advantages[:3] == pytest.approx([0.0, 0.70711, -0.70711], abs=1e-5)
+    assert advantages[3:] == pytest.approx([-0.86603, 0.86603, -0.86603, 0.86603], abs=1e-5)
+    assert batch.loss_mask[:, 0].tolist() == [False, True, True, True, True, True, True]
+    assert metrics["samples/failed"] == 1.0
+
+
+def test_overlong_filter_masks_length_truncated_samples_by_finish_reason():
+    # eos 2, end-of-turn 9: [5, 6, 7, 9] stopped; [5, 6, 7, 8] hit the length limit.
+    group = [([5, 6, 7, 9], DONE), ([5, 6, 7, 8], SampleStatus.TRUNCATED)]
+    c = _components(ScriptedRollout([group]), lambda s: float(s.response_tokens[-1] == 9))
+    rollout = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4))
+    run_step(c, step=0, rollout=rollout, algorithm=AlgorithmConfig(overlong_filter=True))
+    (batch,) = c.backend.batches
+    assert batch.loss_mask.int().tolist() == [[1, 1, 1, 1], [0, 0, 0, 0]]
+    # The truncated sample still counts in the group statistics: rewards [1, 0] -> +0.7071 on the kept one.
+    assert batch.advantages[0, 0].item() == pytest.approx(0.70711, abs=1e-5)
+
+
+def test_overlong_shaping_and_a_reward_post_process_plugin_change_the_advantages(tmp_path, monkeypatch):
+    (tmp_path / "my_shaping.py").write_text(
+        textwrap.dedent(
+            """
+            def double(samples, rewards):
+                return rewards * 2
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_shaping", None)
+    # Both score 1; lengths 2 and 4 with max 4, buffer 2: penalties 0 and -1 -> rewards [1, 0] -> doubled [2, 0].
+    group = [([1, 2], DONE), ([1, 2, 3, 4], SampleStatus.TRUNCATED)]
+    c = _components(ScriptedRollout([group]), lambda s: 1.0)
+    rollout = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4))
+    algorithm = AlgorithmConfig(
+        advantage_estimator="dr_grpo", overlong_buffer_len=2, reward_post_process_path="my_shaping:double"
+    )
+    run_step(c, step=0, rollout=rollout, algorithm=algorithm)
+    (batch,) = c.backend.batches
+    assert batch.advantages[:, 0].tolist() == [1.0, -1.0]
+
+
+def test_a_custom_advantage_estimator_plugin_is_used(tmp_path, monkeypatch):
+    (tmp_path / "my_estimator.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def constant(inputs, params):
+                return torch.full(inputs.loss_mask.shape, 0.5), None
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    c = _components(ScriptedRollout([[([1], DONE), ([1], DONE)]]), lambda s: 1.0)
+    algorithm = AlgorithmConfig(advantage_estimator_path="my_estimator:constant")
+    run_step(c, step=0, rollout=RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2), algorithm=algorithm)
+    assert c.backend.batches[0].advantages.tolist() == [[0.5], [0.5]]
+
+
+def test_a_plugin_path_with_the_wrong_signature_fails_when_the_config_is_built():
+    with pytest.raises(ValueError, match="algorithm.policy_loss_path.*5 positional"):
+        AlgorithmConfig(policy_loss_path="miles.core.algorithms.losses:sft_loss")
+
+
+class RecordingEngine:
+    """Wraps a real engine and records the sampling settings of every request."""
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, []
+
+    def generate(self, requests):
+        self.requests.extend(requests)
+        return self.engine.generate(requests)
+
+
+def test_eval_uses_its_own_sampling_settings_and_training_keeps_its_own(tiny_llama_dir):
+    from miles.rollout.engines import EmbeddedEngine
+    from miles.rollout.generate import ChatRollout
+
+    engine = RecordingEngine(EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2]))
+    c = _components(ChatRollout(engine, tokenizer=None), lambda s: float(s.response_tokens[0] % 2))
+    c.eval_prompts = Prompts().next_prompts(5)
+    train_sampling = SamplingConfig(temperature=1.0, max_new_tokens=2)
+    eval_sampling = SamplingConfig(temperature=0.6, top_p=0.95, max_new_tokens=2)
+    evaluate(c, EvalConfig(num_prompts=5, n_samples_per_prompt=4, sampling=eval_sampling))
+    assert len(engine.requests) == 20
+    assert {(r.sampling.temperature, r.sampling.top_p) for r in engine.requests} == {(0.6, 0.95)}
+    engine.requests.clear()
+    rollout = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=8, sampling=train_sampling)
+    run_step(c, step=0, rollout=rollout, algorithm=AlgorithmConfig(advantage_estimator="reinforce_plus_plus"))
+    assert len(engine.requests) == 8
+    assert {(r.sampling.temperature, r.sampling.top_p) for r in engine.requests} == {(1.0, 1.0)}
