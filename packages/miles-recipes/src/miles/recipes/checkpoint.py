@@ -1,62 +1,309 @@
-"""Run checkpoints: ``checkpoints/step_N/`` written to a temp dir and published by atomic rename; ``latest``
-(a one-line file naming the newest step dir) is replaced last."""
+"""Run checkpoints (DESIGN.md section 8) that survive a crash at any instant, and exact resume.
+
+Layout of ``runs/<name>/checkpoints/``::
+
+    step_N/                      one complete checkpoint, published by an atomic rename
+        model/                   HF directory: config.json, model.safetensors, tokenizer files
+        optimizer.pt             optimizer + LR scheduler state (tensors only: loads with weights_only=True)
+        trainer_state.json       backend step, skipped steps
+        run_state.json           loop step, weight version, data-source position (epoch, index, seed)
+        rng_rank{R}.json         python / numpy / torch RNG states of rank R
+        config.yaml              the resolved config of the run
+    latest                       one line naming the newest step dir; replaced (atomically) last
+
+A save writes into ``.tmp-step_N-*/``, fsyncs every file, renames it to ``step_N`` and only then replaces
+``latest``. A ``kill -9`` at any point therefore leaves either the old ``latest`` (naming a complete checkpoint)
+or the new one, never a half-written file; leftover ``.tmp-*`` / ``.trash-*`` directories are removed by the
+next save. Old checkpoints are pruned after ``latest`` moves, keeping the newest ``keep``.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import re
 import shutil
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from miles.core.protocols import DataSource, TrainBackend
 
+logger = logging.getLogger(__name__)
 
+LATEST = "latest"
+RUN_STATE = "run_state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a resumed run continues from.
+
+    Attributes:
+        step: loop steps completed when the checkpoint was taken (the next step to run).
+        weight_version: version of the weights the engines held; a resume pushes the restored weights with it.
+        data_source: the data source's ``state_dict`` (epoch, position, prompts served, shuffle seed).
+    """
+
+    step: int
+    weight_version: int
+    data_source: dict[str, Any]
+
+
+# -- RNG ----------------------------------------------------------------------------------------------
+def capture_rng_state() -> dict[str, Any]:
+    """Full python, numpy and torch (CPU, and CUDA if present) RNG states, as JSON-serializable values."""
+    version, internal, gauss = random.getstate()
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": numpy_state["state"]["key"].tolist(),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of ``capture_rng_state``: afterwards every generator continues exactly where it was captured."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": npy["bit_generator"],
+            "state": {"key": np.array(npy["key"], dtype=np.uint32), "pos": npy["pos"]},
+            "has_gauss": npy["has_gauss"],
+            "gauss": npy["gauss"],
+        }
+    )
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+# -- save -----------------------------------------------------------------------------------------------
 def save_run_checkpoint(
-    checkpoints_dir: Path, step: int, *, backend: TrainBackend, data_source: DataSource, weight_version: int
+    checkpoints_dir: Path,
+    step: int,
+    *,
+    backend: TrainBackend,
+    data_source: DataSource,
+    weight_version: int,
+    config: Mapping[str, Any] | None = None,
+    tokenizer: Any = None,
+    keep: int = 0,
+    rank: int = 0,
 ) -> Path:
-    """Write ``step_<step>/`` (backend state + ``run_state.json``) and point ``latest`` at it.
+    """Write ``step_<step>/``, point ``latest`` at it, then prune to the newest ``keep`` checkpoints.
 
-    A crash at any point leaves the previous ``latest`` and its directory intact.
+    A crash (even ``kill -9``) at any point leaves the previous ``latest`` and its directory intact.
+
+    Args:
+        checkpoints_dir: the run's ``checkpoints/`` directory (created if missing).
+        step: loop steps completed.
+        backend: writes ``model/``, ``optimizer.pt``, ``trainer_state.json``; raises on non-finite weights.
+        data_source: its ``state_dict`` is stored so a resume continues on the same data order.
+        weight_version: the engines' weight version.
+        config: the resolved run config, stored as ``config.yaml``; None stores none.
+        tokenizer: saved into ``model/`` (anything with ``save_pretrained``) so the model dir is complete.
+        keep: checkpoints to keep (the one ``latest`` names always survives); 0 keeps all.
+        rank: this process's rank (names the RNG file).
     Returns: the published directory.
     """
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(checkpoints_dir)
     final = checkpoints_dir / f"step_{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=checkpoints_dir))
     try:
         backend.save(tmp)
-        state = {
-            "step": step,
-            "weight_version": weight_version,
-            "data_source": data_source.state_dict(),
-            "rng": {"python": repr(random.getstate()), "numpy_seed_hint": int(np.random.get_state()[1][0])},
-        }
-        (tmp / "run_state.json").write_text(json.dumps(state, indent=2))
-        torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-        if final.exists():
-            shutil.rmtree(final)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "model")
+        state = {"step": step, "weight_version": weight_version, "data_source": data_source.state_dict()}
+        (tmp / RUN_STATE).write_text(json.dumps(state, indent=2))
+        (tmp / f"rng_rank{rank}.json").write_text(json.dumps(capture_rng_state()))
+        if config is not None:
+            (tmp / "config.yaml").write_text(yaml.safe_dump(dict(config), sort_keys=False))
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step (resumed from an older checkpoint): move the old one aside first
+            os.replace(final, checkpoints_dir / f".trash-{final.name}-{os.getpid()}")
         os.replace(tmp, final)
+        _fsync_dir(checkpoints_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    latest_tmp = checkpoints_dir / ".latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, checkpoints_dir / "latest")
+    write_atomic(checkpoints_dir / LATEST, final.name + "\n")
+    if keep:
+        prune_checkpoints(checkpoints_dir, keep=keep)
+    _remove_leftovers(checkpoints_dir)
     return final
 
 
+def prune_checkpoints(checkpoints_dir: Path, *, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` ``step_N`` dirs; the one ``latest`` names is never deleted.
+
+    Each victim is first renamed to ``.trash-*`` (atomic), so a crash mid-delete never leaves a partial
+    ``step_N`` that could be mistaken for a checkpoint. Returns: the deleted directories.
+    """
+    latest = read_latest(checkpoints_dir)
+    steps = sorted(_step_dirs(checkpoints_dir), key=lambda p: _step_of(p), reverse=True)
+    victims = [p for p in steps[keep:] if latest is None or p.name != latest.name]
+    for victim in victims:
+        trash = checkpoints_dir / f".trash-{victim.name}-{os.getpid()}"
+        os.replace(victim, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return victims
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# -- load -----------------------------------------------------------------------------------------------
 def read_latest(checkpoints_dir: Path) -> Path | None:
-    """The directory ``latest`` names, or None if there is no checkpoint yet."""
-    latest = checkpoints_dir / "latest"
-    if not latest.is_file():
-        return None
-    return checkpoints_dir / latest.read_text().strip()
+    """The checkpoint ``latest`` names, or None if there is no checkpoint yet.
+
+    If ``latest`` is missing or names a directory that is gone (a crash between publishing ``step_N`` and
+    replacing ``latest``, or a hand-deleted dir), the newest complete ``step_N`` is returned instead: every
+    ``step_N`` was published whole by a rename.
+    """
+    latest = checkpoints_dir / LATEST
+    if latest.is_file():
+        named = checkpoints_dir / latest.read_text().strip()
+        if (named / RUN_STATE).is_file():
+            return named
+        logger.warning("%s names %s, which is not a complete checkpoint; using the newest step dir", latest, named)
+    candidates = [p for p in _step_dirs(checkpoints_dir) if (p / RUN_STATE).is_file()]
+    return max(candidates, key=_step_of) if candidates else None
 
 
 def load_run_state(checkpoint_dir: Path) -> dict[str, Any]:
     """``run_state.json`` of a checkpoint directory."""
-    return json.loads((checkpoint_dir / "run_state.json").read_text())
+    return json.loads((checkpoint_dir / RUN_STATE).read_text())
+
+
+def restore_run_checkpoint(
+    checkpoint_dir: Path, *, backend: TrainBackend, data_source: DataSource, rank: int = 0
+) -> RunState:
+    """Load model, optimizer, scheduler, data-source position and RNG states from a checkpoint.
+
+    Call it after every component is built (building a model consumes RNG draws), right before training.
+    The caller pushes the restored weights to the engines with ``RunState.weight_version``.
+
+    Raises: FileNotFoundError naming the checkpoint when it is not one.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / RUN_STATE).is_file():
+        raise FileNotFoundError(
+            f"--resume {checkpoint_dir}: no {RUN_STATE} there, so it is not a Miles checkpoint; pass a "
+            "runs/<name>/checkpoints/step_N directory, or --resume alone with --run.name NAME"
+        )
+    state = load_run_state(checkpoint_dir)
+    backend.load(checkpoint_dir)
+    data_source.load_state_dict(state["data_source"])
+    rng_file = checkpoint_dir / f"rng_rank{rank}.json"
+    if rng_file.is_file():
+        restore_rng_state(json.loads(rng_file.read_text()))
+    else:
+        logger.warning("%s has no RNG state for rank %d; RNG streams restart from their seeds", checkpoint_dir, rank)
+    return RunState(step=state["step"], weight_version=state["weight_version"], data_source=state["data_source"])
+
+
+# -- export ---------------------------------------------------------------------------------------------
+def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
+    """Write the checkpoint's model as a plain HF directory (config, safetensors, tokenizer) at ``out``.
+
+    The copy goes to a temporary sibling and is renamed into place, so ``out`` is complete or absent.
+
+    Raises:
+        FileNotFoundError: the checkpoint has no complete ``model/`` (config.json, model.safetensors, tokenizer).
+        FileExistsError: ``out`` exists (nothing is overwritten).
+        ValueError: a weight holds NaN/inf.
+    """
+    from safetensors.torch import load_file
+
+    src, out = Path(checkpoint_dir) / "model", Path(out)
+    missing = [f for f in ("config.json", "model.safetensors") if not (src / f).is_file()]
+    if not any((src / f).is_file() for f in _TOKENIZER_FILES):
+        missing.append("tokenizer.json")
+    if missing:
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint_dir}: {src} lacks {missing}; pass a runs/<name>/checkpoints/step_N directory"
+        )
+    if out.exists():
+        raise FileExistsError(f"--out {out} already exists; pass a new directory (export never overwrites)")
+    bad = [name for name, t in load_file(src / "model.safetensors").items() if not torch.isfinite(t).all()]
+    if bad:
+        raise ValueError(f"--checkpoint {checkpoint_dir}: weights {bad[:3]} hold NaN/inf; export an earlier step")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        _fsync_tree(tmp)
+        os.rename(tmp, out)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# -- helpers ----------------------------------------------------------------------------------------------
+def _step_dirs(checkpoints_dir: Path) -> list[Path]:
+    if not checkpoints_dir.is_dir():
+        return []
+    return [p for p in checkpoints_dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def _remove_leftovers(checkpoints_dir: Path) -> None:
+    """Remove ``.tmp-*`` / ``.trash-*`` dirs a killed save or prune left behind (one writer per run)."""
+    for path in checkpoints_dir.iterdir():
+        if path.is_dir() and path.name.startswith((".tmp-", ".trash-")):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under root: the rename that publishes it must not outrun the data."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

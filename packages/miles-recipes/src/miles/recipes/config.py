@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from miles.core.algorithms.advantages import GROUP_BASELINE_ESTIMATORS
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
+from miles.recipes.registry import MODELS
 from miles.rollout.config import DataConfig, EngineConfig, RewardConfig
 from miles.train.config import TrainConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -55,6 +58,12 @@ class MilesConfig(BaseModel):
                 "reward.type is 'reasoning_gym' but data.source is "
                 f"{self.data.source!r}: that scorer needs reasoning-gym entries as labels. "
                 "Set --reward.type math (for GSM8K-style answers) or custom."
+            )
+        path = self.model.path
+        if path not in MODELS and not (Path(path).expanduser() / "config.json").is_file():
+            raise ValueError(
+                f"model.path is {path!r}: not a registered model {sorted(MODELS)} and not a directory with "
+                "config.json. Pass --model.path smollm2-135m-instruct or a local HF model directory."
             )
         if self.train.world_size != 1:
             raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -11,7 +12,8 @@ import yaml
 from miles.core.loop import Components, train_sync
 from miles.core.plugins import load_plugin
 from miles.core.protocols import DataSource, RewardFn
-from miles.recipes.checkpoint import save_run_checkpoint
+from miles.core.rewards import TimeLimitedReward
+from miles.recipes.checkpoint import restore_run_checkpoint, save_run_checkpoint, write_atomic
 from miles.recipes.config import MilesConfig
 from miles.recipes.registry import resolve_model_path
 from miles.recipes.sinks import ConsoleSink, JsonlSink, MultiSink, plot_rewards
@@ -42,18 +44,21 @@ def build_data_source(data: DataConfig, *, evaluation: bool = False) -> DataSour
         seed=seed,
         system_prompt=system_prompt,
         prompt_suffix=data.prompt_suffix,
+        bad_rows=data.bad_rows,
     )
 
 
 def build_reward(reward: RewardConfig) -> RewardFn:
-    """The reward function a reward section names."""
+    """The reward function a reward section names, time-limited if ``reward.timeout_s`` is set."""
     from miles.rollout.rewards import math_reward, reasoning_gym_reward
 
     if reward.type == "reasoning_gym":
-        return reasoning_gym_reward
-    if reward.type == "math":
-        return math_reward
-    return load_plugin(reward.path, key="reward.path", num_positional=1)
+        reward_fn = reasoning_gym_reward
+    elif reward.type == "math":
+        reward_fn = math_reward
+    else:
+        reward_fn = load_plugin(reward.path, key="reward.path", num_positional=1)
+    return TimeLimitedReward(reward_fn, timeout_s=reward.timeout_s) if reward.timeout_s else reward_fn
 
 
 def algorithm_models(cfg: MilesConfig, model_path: Path) -> dict[str, Path | None]:
@@ -68,9 +73,15 @@ def algorithm_models(cfg: MilesConfig, model_path: Path) -> dict[str, Path | Non
     return {"teacher_path": teacher, "critic_path": critic}
 
 
-def run(cfg: MilesConfig, run_dir: Path) -> Path:
+def run(cfg: MilesConfig, run_dir: Path, *, resume_from: Path | None = None) -> Path:
     """Train per ``cfg``, writing ``config.yaml``, ``metrics.jsonl``, checkpoints and ``reward.png`` to run_dir.
 
+    Args:
+        cfg: the validated config.
+        run_dir: the run directory (created if missing).
+        resume_from: a checkpoint directory to continue from exactly: weights, optimizer, scheduler, data
+            position, RNG states and weight version are restored, and training runs the remaining steps up to
+            ``loop.num_steps``; ``metrics.jsonl`` rows after the checkpoint's step are dropped.
     Returns: the final checkpoint directory.
     """
     from miles.rollout.engines import EmbeddedEngine
@@ -83,7 +94,7 @@ def run(cfg: MilesConfig, run_dir: Path) -> Path:
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     # Everything is validated; now build (the order puts cheap failures first).
     reward_fn = build_reward(cfg.reward)
     data_source = build_data_source(cfg.data)
@@ -113,17 +124,39 @@ def run(cfg: MilesConfig, run_dir: Path) -> Path:
         cfg.train.dtype,
         time.perf_counter() - t0,
     )
-    sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), ConsoleSink(cfg.loop.num_steps, enabled=cfg.run.progress))
     checkpoints = run_dir / "checkpoints"
     final: list[Path] = []
+    start_step = 0
+    if resume_from is not None:  # last: building the models above consumed RNG draws the checkpoint must undo
+        state = restore_run_checkpoint(resume_from, backend=backend, data_source=data_source)
+        start_step = state.step
+        if state.weight_version > 0:  # the engine starts from model.path: give it the checkpoint's weights
+            sender.version = state.weight_version - 1  # so this push publishes the checkpoint's version
+            sender.push(backend.export_weights())
+        _drop_metrics_after(run_dir / "metrics.jsonl", start_step)
+        final.append(Path(resume_from))
+        logger.info("resumed from %s at step %d (weights v%d)", resume_from, start_step, engine.weight_version)
+    sink = MultiSink(
+        JsonlSink(run_dir / "metrics.jsonl"),
+        ConsoleSink(cfg.loop.num_steps, initial=start_step, enabled=cfg.run.progress),
+    )
+    config_dict = cfg.model_dump(mode="json")
 
     def save(step: int) -> None:
+        t_save = time.perf_counter()
         final.append(
             save_run_checkpoint(
-                checkpoints, step, backend=backend, data_source=data_source, weight_version=engine.weight_version
+                checkpoints,
+                step,
+                backend=backend,
+                data_source=data_source,
+                weight_version=engine.weight_version,
+                config=config_dict,
+                tokenizer=tokenizer,
+                keep=cfg.loop.keep_checkpoints,
             )
         )
-        logger.info("saved checkpoint %s", final[-1])
+        logger.info("saved checkpoint %s in %.2fs", final[-1], time.perf_counter() - t_save)
 
     components = Components(
         data_source=data_source,
@@ -140,16 +173,27 @@ def run(cfg: MilesConfig, run_dir: Path) -> Path:
         save_checkpoint=save,
     )
     try:
-        train_sync(components, loop=cfg.loop, rollout=cfg.rollout, algorithm=cfg.algorithm, evaluation=cfg.eval)
+        train_sync(
+            components,
+            loop=cfg.loop,
+            rollout=cfg.rollout,
+            algorithm=cfg.algorithm,
+            evaluation=cfg.eval,
+            start_step=start_step,
+        )
     finally:
         sink.close()
         if (run_dir / "metrics.jsonl").stat().st_size:
             plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
-    tokenizer.save_pretrained(final[-1] / "model")
     return final[-1]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+def _drop_metrics_after(path: Path, step: int) -> None:
+    """Keep only the ``metrics.jsonl`` rows up to ``step`` (a crashed run may have logged steps past its
+    last checkpoint; the resumed run logs them again)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        write_atomic(path, "".join(kept))

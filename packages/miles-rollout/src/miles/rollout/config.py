@@ -33,6 +33,12 @@ class DataConfig(_Section):
     system_prompt: str = Field("", description="System message; empty = the chat template's default.")
     prompt_suffix: str = Field("", description="Appended to every question, e.g. ' Reply with only the final number.'")
     max_prompt_tokens: int = Field(1024, ge=1, description="Longer prompts are skipped and counted as failed.")
+    bad_rows: Literal["skip", "stop"] = Field(
+        "stop",
+        description="A data-file row that cannot be used (not JSON, not UTF-8, missing/empty/wrongly typed prompt or "
+        "label; source=file): stop = fail at start-up listing each bad row as file:line; skip = leave it out, "
+        "count it and log the first few. stop is the safe default; skip suits large scraped datasets.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -65,6 +71,13 @@ class RewardConfig(_Section):
         "against the label (GSM8K '#### N', \\\\boxed{}); custom: the function at reward.path.",
     )
     path: str = Field("", description="module:attr of a custom reward function (sample) -> float (type=custom).")
+    timeout_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="Seconds one reward call may take; a slower call fails its sample (counted in samples/failed) "
+        "instead of hanging the run. 0 = no limit (calls run inline). 30 is a sane value for remote or "
+        "code-executing scorers.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RewardConfig:

@@ -38,5 +38,6 @@ class TrainConfig(BaseModel):
     )
     skip_nonfinite_steps: bool = Field(
         True,
-        description="Skip (and count) an optimizer step whose loss or grad norm is NaN/inf instead of applying it.",
+        description="true: skip (and count, as skipped_steps) an optimizer step whose loss or grad norm is NaN/inf; "
+        "false: stop the run with a diagnosis instead. A non-finite step is never applied.",
     )

@@ -229,7 +229,8 @@ class FSDP2Backend:
         metrics = dict(zip(names, totals.tolist()))  # host sync
         if "_is_weight_sq" in metrics:  # ESS ratio = mean(w)^2 / mean(w^2), from token means over the global batch
             sq_mean = metrics.pop("_is_weight_sq")
-            metrics["ess_ratio"] = metrics.pop("_is_weight") ** 2 / sq_mean if sq_mean > 0 else 1.0
+            ess = metrics.pop("_is_weight") ** 2 / sq_mean if sq_mean > 0 else 1.0
+            metrics["ess_ratio"] = min(ess, 1.0)  # <= 1 by Cauchy-Schwarz; rounding can overshoot by ~1e-13
         return metrics
 
     def _rollout_correction(
@@ -298,12 +299,20 @@ class FSDP2Backend:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         finite = math.isfinite(grad_norm) and math.isfinite(loss)
-        if finite or not self.train_cfg.skip_nonfinite_steps:
+        if finite:
             self.optimizer.step()
             self.scheduler.step()
-        else:
+        elif self.train_cfg.skip_nonfinite_steps:
             self.num_skipped_steps += 1
             logger.warning("step %d: non-finite loss/grad norm (%s), optimizer step skipped", self.step, grad_norm)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"step {self.step}: loss is {loss} and grad norm {grad_norm}; applying it would turn the weights into "
+                "NaN, so the run stops (train.skip_nonfinite_steps is false). Usual causes: a too high train.lr, "
+                "bf16 overflow, or NaN rewards/advantages. Lower --train.lr, use --train.dtype fp32, or set "
+                "--train.skip-nonfinite-steps true to skip such steps and continue."
+            )
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {
@@ -343,6 +352,13 @@ class FSDP2Backend:
         optim_state = get_optimizer_state_dict(
             self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        nonfinite = [name for name, tensor in state.items() if not torch.isfinite(tensor).all()]
+        if nonfinite:  # never write a NaN checkpoint: a resume from it could not recover
+            raise FloatingPointError(
+                f"refusing to save a checkpoint at step {self.step}: weights {nonfinite[:3]} hold NaN/inf. The "
+                "previous checkpoint is intact; resume from it with a lower --train.lr (keep "
+                "--train.skip-nonfinite-steps true so non-finite updates are never applied)."
+            )
         if self.rank != 0:
             return
         path = Path(path)
