@@ -1,0 +1,22 @@
+from miles.rollout.sft import multi_turn_tokens
+
+
+def test_multi_turn_loss_mask_trains_only_the_assistant_turns(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
+    tokens, prompt_length, loss_mask = multi_turn_tokens(tokenizer, messages)
+    response = tokens[prompt_length:]
+    assert len(loss_mask) == len(response)
+    trained = tokenizer.decode([t for t, m in zip(response, loss_mask) if m])
+    untrained = tokenizer.decode([t for t, m in zip(response, loss_mask) if not m])
+    # Assistant contents and their end-of-turn tokens are trained; the user turn between them is not.
+    assert "4" in trained and "6" in trained and trained.count("<|im_end|>") == 2
+    assert "and 3+3?" in untrained and "3+3" not in trained
+    assert loss_mask[0] == 1  # the prompt ends right after the first assistant header
