@@ -42,6 +42,10 @@ def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
         pytest.param(["--algorithm.clip-high", "0.1"], "clip_high", id="clip_high_below_clip_low"),
         pytest.param(["--data.source", "file"], "data.path is empty", id="file_without_path"),
         pytest.param(["--reward.type", "custom"], "--reward.path", id="custom_reward_without_path"),
+        pytest.param(["--model.path", "/no/such/model"], r"model.path is '/no/such/model'", id="missing_model_path"),
+        pytest.param(["--data.bad-rows", "ignore"], r"data.bad_rows \[--data.bad-rows\]", id="bad_rows_choice"),
+        pytest.param(["--reward.timeout-s", "-1"], r"reward.timeout_s", id="negative_reward_timeout"),
+        pytest.param(["--loop.keep-checkpoints", "-1"], r"loop.keep_checkpoints", id="negative_keep"),
     ],
 )
 def test_bad_configs_fail_before_anything_loads_with_the_key_named(overrides, message):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from miles.core.config import SamplingConfig
-from miles.core.protocols import Engine, GenerateRequest
+from miles.core.protocols import Engine, GenerateOutput, GenerateRequest
 from miles.core.sample import Sample, SampleStatus
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,22 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]] | list[int]
     else:
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def engine_output_problem(output: GenerateOutput) -> str | None:
+    """Why an engine output cannot be trained on, or None.
+
+    An empty response has no token to train; log-probs that are NaN/inf (overflowing logits) or do not match the
+    response length would poison the importance ratio and the rollout/trainer mismatch metrics. A response that
+    is only a stop token, or that hit max_new_tokens (TRUNCATED), is a legitimate sample and is kept.
+    """
+    if not output.response_tokens:
+        return "engine returned an empty response"
+    if len(output.log_probs) != len(output.response_tokens):
+        return f"engine returned {len(output.log_probs)} log-probs for {len(output.response_tokens)} tokens"
+    if not all(math.isfinite(x) for x in output.log_probs):
+        return "engine returned non-finite log-probs (NaN/inf logits)"
+    return None
 
 
 class ChatRollout:
@@ -86,6 +103,14 @@ class ChatRollout:
                 "abort": SampleStatus.ABORTED,
             }[output.finish_reason]
             sample.metadata["finish_reason"] = output.finish_reason
+            failure = engine_output_problem(output)
+            if failure is not None:  # counted in samples/failed, excluded from advantages and the loss
+                # Drop the response so no NaN or misaligned log-prob reaches the batch (masked rows still hold it).
+                prompt_tokens = sample.tokens[: sample.prompt_length]
+                sample.tokens, sample.response_length, sample.rollout_log_probs = prompt_tokens, 0, []
+                sample.status = SampleStatus.FAILED
+                sample.metadata["failure"] = failure
+                continue
             if self.tokenizer is not None:  # token-only rollouts (tokenizer=None) have no text
                 sample.metadata["response_text"] = self.tokenizer.decode(
                     output.response_tokens, skip_special_tokens=True

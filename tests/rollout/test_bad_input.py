@@ -1,0 +1,99 @@
+"""Bad input never takes a run down: malformed data rows (per-row errors naming file and line, skip or stop) and
+engine outputs that are empty, misaligned, non-finite, all-stop-token or truncated."""
+
+import json
+import math
+
+import pytest
+from miles.core.config import SamplingConfig
+from miles.core.protocols import GenerateOutput
+from miles.core.sample import Sample, SampleStatus
+from miles.rollout.data import FileSource
+from miles.rollout.generate import ChatRollout
+
+GOOD = json.dumps({"question": "1+1?", "answer": "2"}).encode()
+
+BAD_LINES = [
+    pytest.param(b'{"question": "1+1?"', "not JSON", id="truncated_json"),
+    pytest.param(b"\xff\xfe{}", "not UTF-8", id="non_utf8"),
+    pytest.param(json.dumps({"answer": "2"}).encode(), "missing key 'question'", id="missing_prompt"),
+    pytest.param(json.dumps({"question": "1+1?"}).encode(), "missing key 'answer'", id="missing_label"),
+    pytest.param(json.dumps({"question": "  ", "answer": "2"}).encode(), "empty string", id="blank_prompt"),
+    pytest.param(json.dumps({"question": [], "answer": "2"}).encode(), "empty list", id="no_messages"),
+    pytest.param(json.dumps({"question": 7, "answer": "2"}).encode(), "is a int", id="prompt_is_a_number"),
+    pytest.param(json.dumps({"question": [{"role": "user"}], "answer": "2"}).encode(), "expected messages",
+                 id="message_without_content"),
+    pytest.param(json.dumps({"question": "1+1?", "answer": None}).encode(), "'answer' is null", id="null_label"),
+    pytest.param(json.dumps([1, 2]).encode(), "JSON list", id="row_is_a_list"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad_line, reason", BAD_LINES)
+def test_a_bad_row_stops_the_run_naming_file_line_and_reason(tmp_path, bad_line, reason):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(GOOD + b"\n" + bad_line + b"\n" + GOOD + b"\n")
+    with pytest.raises(ValueError, match=rf"(?s)1 bad rows.*data.jsonl:2: .*{reason}.*--data.bad-rows skip"):
+        FileSource(path)
+
+
+@pytest.mark.parametrize("bad_line, reason", BAD_LINES)
+def test_a_bad_row_is_skipped_and_counted_with_bad_rows_skip(tmp_path, bad_line, reason):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(GOOD + b"\n" + bad_line + b"\n\n" + GOOD + b"\n")  # a blank line is not a row
+    source = FileSource(path, bad_rows="skip")
+    assert (source.size, source.num_bad_rows) == (2, 1)
+    assert source.bad_row_reasons[0].startswith("data.jsonl:2: ")
+    assert [s.label for s in source.next_prompts(2)] == ["2", "2"]
+
+
+def test_a_file_without_a_usable_row_fails_even_when_skipping(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"nope\n")
+    with pytest.raises(ValueError, match="no usable row"):
+        FileSource(path, bad_rows="skip")
+
+
+class ScriptedEngine:
+    """Returns the given outputs in order (an engine misbehaving in a controlled way)."""
+
+    weight_version = 3
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def generate(self, requests):
+        assert len(requests) == len(self.outputs)
+        return self.outputs
+
+
+def test_empty_misaligned_and_nonfinite_engine_outputs_fail_their_sample_only():
+    outputs = [
+        GenerateOutput([], [], "stop"),
+        GenerateOutput([5, 6], [-1.0], "stop"),
+        GenerateOutput([5, 6], [-1.0, math.nan], "stop"),
+        GenerateOutput([5, 6], [-1.0, -math.inf], "length"),
+        GenerateOutput([2], [-0.5], "stop"),  # only the stop token: a legitimate (empty-text) answer
+        GenerateOutput([5, 6, 7], [-1.0, -1.0, -1.0], "length"),  # hit max_new_tokens
+    ]
+    prompts = [Sample(index=0, group_index=0, prompt=[1, 4])]
+    samples = ChatRollout(ScriptedEngine(outputs), tokenizer=None)(
+        prompts, n_samples_per_prompt=6, sampling=SamplingConfig(max_new_tokens=3), seed=0
+    )
+    assert [s.status for s in samples] == [SampleStatus.FAILED] * 4 + [SampleStatus.COMPLETED, SampleStatus.TRUNCATED]
+    assert [s.metadata["failure"] for s in samples[:4]] == [
+        "engine returned an empty response",
+        "engine returned 1 log-probs for 2 tokens",
+        "engine returned non-finite log-probs (NaN/inf logits)",
+        "engine returned non-finite log-probs (NaN/inf logits)",
+    ]
+    for s in samples[:4]:  # the response is dropped: nothing non-finite or misaligned reaches a batch
+        assert (s.tokens, s.response_length, s.rollout_log_probs) == ([1, 4], 0, [])
+
+
+def test_a_prompt_longer_than_the_context_fails_its_samples_without_calling_the_engine():
+    prompts = [Sample(index=0, group_index=0, prompt=list(range(1, 40)))]
+    samples = ChatRollout(ScriptedEngine([]), tokenizer=None, max_prompt_tokens=16)(
+        prompts, n_samples_per_prompt=2, sampling=SamplingConfig(), seed=0
+    )
+    assert [s.status for s in samples] == [SampleStatus.FAILED] * 2
+    assert samples[0].metadata["failure"] == "prompt has 39 tokens > max_prompt_tokens"
