@@ -283,10 +283,13 @@ def _step_of(path: Path) -> int:
 
 
 def _remove_leftovers(checkpoints_dir: Path) -> None:
-    """Remove ``.tmp-*`` / ``.trash-*`` dirs a killed save or prune left behind (one writer per run)."""
+    """Remove ``.tmp-*`` / ``.trash-*`` dirs and ``.latest.tmp-*`` files a killed save or prune left behind
+    (one writer per run)."""
     for path in checkpoints_dir.iterdir():
         if path.is_dir() and path.name.startswith((".tmp-", ".trash-")):
             shutil.rmtree(path, ignore_errors=True)
+        elif path.is_file() and path.name.startswith(f".{LATEST}.tmp-"):
+            path.unlink(missing_ok=True)
 
 
 def _fsync_tree(root: Path) -> None:
