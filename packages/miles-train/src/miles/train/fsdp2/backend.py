@@ -17,6 +17,7 @@ from miles.core.config import AlgorithmConfig
 from miles.core.log_probs import model_response_log_probs, warn_if_slow_bf16
 from miles.core.plugins import load_plugin
 from miles.train.config import TrainConfig
+from miles.train.fsdp2.state import full_model_state, gather_module_state, load_module, write_weights
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -332,67 +333,58 @@ class FSDP2Backend:
     # -- weights and checkpoints ----------------------------------------------------------------
     def full_state_dict(self) -> dict[str, Tensor]:
         """Unsharded fp32 weights on CPU, HF names (collective: every rank must call it)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full_model_state(self.model)
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, fp32 tensor) pairs of the full model for the engines."""
         yield from self.full_state_dict().items()
 
     def save(self, path: Path) -> None:
-        """Write ``model/`` (HF directory: config, safetensors) + ``optimizer.pt`` + ``trainer_state.json``.
+        """Write ``model/`` (HF directory: config, safetensors) + ``optimizer.pt`` + ``trainer_state.json``, and
+        ``critic/`` (safetensors + optimizer) when a critic is held. Collective; rank 0 writes.
 
         ``path`` should be a fresh temporary directory; the caller publishes it by an atomic rename.
+        Raises: FloatingPointError if any weight is NaN/inf (nothing is written).
         """
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        state = self.full_state_dict()
-        optim_state = get_optimizer_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        nonfinite = [name for name, tensor in state.items() if not torch.isfinite(tensor).all()]
-        if nonfinite:  # never write a NaN checkpoint: a resume from it could not recover
-            raise FloatingPointError(
-                f"refusing to save a checkpoint at step {self.step}: weights {nonfinite[:3]} hold NaN/inf. The "
-                "previous checkpoint is intact; resume from it with a lower --train.lr (keep "
-                "--train.skip-nonfinite-steps true so non-finite updates are never applied)."
-            )
+        weights, optim_state = gather_module_state(self.model, self.optimizer, what="policy")
+        critic = None
+        if self.critic is not None:
+            critic = gather_module_state(self.critic.model, self.critic.optimizer, what="critic")
         if self.rank != 0:
             return
         path = Path(path)
-        (path / "model").mkdir(parents=True, exist_ok=True)
-        seen: set[int] = set()
-        unique = {}
-        for name, tensor in state.items():  # tied weights (embedding = LM head) are stored once
-            if tensor.data_ptr() not in seen:
-                seen.add(tensor.data_ptr())
-                unique[name] = tensor.contiguous()
-        save_file(unique, path / "model" / "model.safetensors", metadata={"format": "pt"})
+        write_weights(weights, path / "model" / "model.safetensors")
         self.model.config.save_pretrained(path / "model")
         torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, path / "optimizer.pt")
+        if critic is not None:
+            write_weights(critic[0], path / "critic" / "model.safetensors")
+            torch.save({"optimizer": critic[1]}, path / "critic" / "optimizer.pt")
         (path / "trainer_state.json").write_text(
             json.dumps({"step": self.step, "skipped_steps": self.num_skipped_steps}, indent=2)
         )
 
     def load(self, path: Path) -> None:
-        """Restore model, optimizer, scheduler and step from ``save``'s layout."""
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        """Restore model, optimizer, scheduler, step (and the critic) from ``save``'s layout.
 
+        Raises: FileNotFoundError if this backend holds a critic but the checkpoint has none.
+        """
         path = Path(path)
-        weights = load_file(path / "model" / "model.safetensors")
-        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
         state = torch.load(path / "optimizer.pt", weights_only=True)
-        set_optimizer_state_dict(
-            self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-        )
+        load_module(self.model, self.optimizer, path / "model" / "model.safetensors", state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            if not (path / "critic" / "model.safetensors").is_file():
+                raise FileNotFoundError(
+                    f"{path} has no critic/ but this run trains a critic (advantage 'gae'); resume from a checkpoint "
+                    "of a run with the same algorithm"
+                )
+            critic_state = torch.load(path / "critic" / "optimizer.pt", weights_only=True)
+            load_module(
+                self.critic.model,
+                self.critic.optimizer,
+                path / "critic" / "model.safetensors",
+                critic_state["optimizer"],
+            )
         trainer_state = json.loads((path / "trainer_state.json").read_text())
         self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]
 
