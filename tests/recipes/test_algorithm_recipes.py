@@ -5,7 +5,6 @@ import json
 import math
 
 import pytest
-import torch
 from miles.recipes.cli import resolve_config
 from miles.recipes.run import run
 
@@ -24,35 +23,9 @@ FAMILIES = [
 ]
 
 
-def _tiny_smollm2(path, seed):
-    from miles.recipes.models.smollm2 import ensure_smollm2
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def tiny_smollm2_dirs(tmp_path_factory):
-    return _tiny_smollm2(tmp_path_factory.mktemp("tiny_smollm2"), 0), _tiny_smollm2(
-        tmp_path_factory.mktemp("teacher"), 1
-    )
+def tiny_smollm2_dirs(tiny_smollm2_dir, make_tiny_smollm2):
+    return tiny_smollm2_dir, make_tiny_smollm2(1)  # student, teacher
 
 
 @pytest.mark.parametrize("recipe", FAMILIES)

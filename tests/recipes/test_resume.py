@@ -20,29 +20,8 @@ def odd_first_token(sample):
 
 
 @pytest.fixture(scope="module")
-def tiny_smollm_dir(tmp_path_factory):
-    """A random 2-layer Llama (hidden 32) with SmolLM2's tokenizer and chat template (vocab 49152)."""
-    from miles.recipes.models.smollm2 import ensure_smollm2
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("tiny_smollm")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def tiny_smollm_dir(tiny_smollm2_dir):
+    return tiny_smollm2_dir
 
 
 def _train(args, tmp_path, monkeypatch):
