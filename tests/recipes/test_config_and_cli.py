@@ -22,8 +22,11 @@ def test_an_override_without_value_is_a_clear_error():
 
 
 @pytest.mark.parametrize("name", recipe_names())
-def test_every_shipped_recipe_validates(name):
-    assert isinstance(resolve_config(name, []), MilesConfig)
+def test_every_shipped_recipe_validates(name, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
+    overrides = ["--data.path", str(data)] if load_recipe(name).get("data", {}).get("source") == "file" else []
+    assert isinstance(resolve_config(name, overrides), MilesConfig)
 
 
 def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
@@ -37,10 +40,24 @@ def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
     [
         pytest.param(["--rollout.n-samples-per-prompt", "1"], "needs at least 2", id="group_of_one"),
         pytest.param(["--rollout.global-batch-size", "7"], "not a multiple", id="batch_arithmetic"),
-        pytest.param(["--train.lrr", "1"], r"train.lrr \[--train.lrr\]: Extra inputs", id="unknown_key"),
+        pytest.param(
+            ["--train.lrr", "1"],
+            r"train.lrr \[--train.lrr\]: unknown key; valid keys here: lr, warmup_steps",
+            id="unknown_key",
+        ),
         pytest.param(["--train.lr", "fast"], r"train.lr \[--train.lr\].*got 'fast'", id="wrong_type"),
         pytest.param(["--algorithm.clip-high", "0.1"], "clip_high", id="clip_high_below_clip_low"),
         pytest.param(["--data.source", "file"], "data.path is empty", id="file_without_path"),
+        pytest.param(
+            ["--data.source", "file", "--data.path", "no/such.jsonl", "--reward.type", "math"],
+            "data.path is 'no/such.jsonl', which is not a file",
+            id="missing_data_file",
+        ),
+        pytest.param(
+            ["--nosuch.key", "1"],
+            r"nosuch \[--nosuch\]: unknown key; valid keys here: model, data",
+            id="unknown_section",
+        ),
         pytest.param(["--reward.type", "custom"], "--reward.path", id="custom_reward_without_path"),
         pytest.param(["--model.path", "/no/such/model"], r"model.path is '/no/such/model'", id="missing_model_path"),
         pytest.param(["--data.bad-rows", "ignore"], r"data.bad_rows \[--data.bad-rows\]", id="bad_rows_choice"),
@@ -62,7 +79,9 @@ def test_cli_lists_recipes_and_shows_a_resolved_config(capsys):
     assert main(["recipes", "list"]) == 0
     assert "smollm2_grpo_arithmetic" in capsys.readouterr().out
     assert main(["config", "show", "smollm2_grpo_arithmetic", "--loop.num-steps", "3"]) == 0
-    assert yaml.safe_load(capsys.readouterr().out)["loop"]["num_steps"] == 3
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown == resolve_config("smollm2_grpo_arithmetic", ["--loop.num-steps", "3"]).model_dump(mode="json")
+    assert shown["loop"]["num_steps"] == 3
 
 
 def test_unknown_recipe_lists_the_shipped_ones():

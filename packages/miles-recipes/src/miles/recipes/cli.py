@@ -33,7 +33,7 @@ def _validate(raw: dict, override_args: list[str]):
     try:
         return MilesConfig.model_validate(apply_overrides(raw, parse_overrides(override_args)))
     except ValidationError as err:
-        raise ValueError(format_validation_error(err)) from None
+        raise ValueError(format_validation_error(err, MilesConfig)) from None
 
 
 def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[Any, Path, Path]:
@@ -91,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--out", required=True, help="new directory to create")
     recipes = sub.add_parser("recipes", help="list the shipped recipes")
     recipes.add_argument("action", choices=["list"])
-    config = sub.add_parser("config", help="print the resolved config of a recipe (with overrides)")
+    config = sub.add_parser(
+        "config",
+        help="print the resolved config of a recipe, every field with its description",
+        description="miles config show RECIPE [--section.key value ...]: the resolved config, overrides applied.",
+    )
     config.add_argument("action", choices=["show"])
     config.add_argument("recipe")
     args, rest = parser.parse_known_args(argv)
@@ -116,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"miles: {err}", file=sys.stderr)  # noqa: T201
         return 2
     if args.command == "config":
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))  # noqa: T201
+        from miles.recipes.overrides import documented_yaml
+
+        print(documented_yaml(cfg))  # noqa: T201
         return 0
     from miles.recipes.run import run
 

@@ -18,7 +18,7 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     path: str = Field(
         "smollm2-135m-instruct",
-        description="A registered model name (see `miles models`) or a local HF model directory (config.json + "
+        description="A registered model name (smollm2-135m-instruct) or a local HF model directory (config.json + "
         "safetensors + tokenizer).",
     )
 

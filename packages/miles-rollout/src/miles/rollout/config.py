@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -44,6 +45,11 @@ class DataConfig(_Section):
     def _check(self) -> DataConfig:
         if self.source == "file" and not self.path:
             raise ValueError("data.source is 'file' but data.path is empty; pass --data.path /path/to/file.jsonl")
+        if self.source == "file" and not Path(self.path).expanduser().is_file():
+            raise ValueError(
+                f"data.path is {self.path!r}, which is not a file (relative paths start at the current directory "
+                f"{Path.cwd()}); pass --data.path /path/to/file.jsonl"
+            )
         return self
 
 
