@@ -1,6 +1,7 @@
 """End to end: `miles train` on the default recipe with the real SmolLM2-135M-Instruct, 2 small steps."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -42,6 +43,8 @@ def test_two_steps_of_the_default_recipe_write_a_complete_run_directory(smollm2_
         assert key in rows[1], key
     assert [r["weight_version"] for r in rows[1:]] == [1.0, 2.0]
     assert 0.0 <= rows[1]["reward/mean"] <= 1.0
+    # Step 2 was sampled with the weights pushed after step 1 (tied LM head sent once): engine and trainer agree.
+    assert rows[2]["train_rollout_logprob_abs_diff"] < 1e-4
 
     checkpoint = run / "checkpoints" / "step_2"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
@@ -52,6 +55,11 @@ def test_two_steps_of_the_default_recipe_write_a_complete_run_directory(smollm2_
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    assert json.loads((checkpoint / "model" / "config.json").read_text())["use_cache"] is True
+    assert (checkpoint / "model" / "generation_config.json").is_file()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (checkpoint / "model" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # not 0600
     trained = AutoModelForCausalLM.from_pretrained(checkpoint / "model", dtype=torch.float32)
     assert AutoTokenizer.from_pretrained(checkpoint / "model").chat_template
     base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)

@@ -140,6 +140,7 @@ def save_run_checkpoint(
         (tmp / f"rng_rank{rank}.json").write_text(json.dumps(capture_rng_state()))
         if config is not None:
             (tmp / "config.yaml").write_text(yaml.safe_dump(dict(config), sort_keys=False))
+        _default_permissions(tmp)
         _fsync_tree(tmp)
         if final.exists():  # re-saving a step (resumed from an older checkpoint): move the old one aside first
             os.replace(final, checkpoints_dir / f".trash-{final.name}-{os.getpid()}")
@@ -262,6 +263,7 @@ def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
+        _default_permissions(tmp)
         _fsync_tree(tmp)
         os.rename(tmp, out)
         _fsync_dir(out.parent)
@@ -272,6 +274,15 @@ def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+def _default_permissions(root: Path) -> None:
+    """Give a tree the modes a plain mkdir/open would (mkdtemp and some writers use 0700/0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for path in root.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def _step_dirs(checkpoints_dir: Path) -> list[Path]:
     if not checkpoints_dir.is_dir():
         return []

@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,8 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
+    # reasoning-gym's dependency cellpylib has `is` comparisons with literals: Python warns at each import.
+    warnings.filterwarnings("ignore", category=SyntaxWarning, module=r"cellpylib.*")
     parser = argparse.ArgumentParser(prog="miles", description="Miles: RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(

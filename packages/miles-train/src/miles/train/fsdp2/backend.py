@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -336,8 +338,13 @@ class FSDP2Backend:
         return full_model_state(self.model)
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, fp32 tensor) pairs of the full model for the engines."""
-        yield from self.full_state_dict().items()
+        """(HF name, fp32 tensor) pairs of the full model for the engines; a tied tensor (embedding = LM head) is
+        sent once, under its first name, as HF checkpoints store it (the engine's model re-ties it)."""
+        seen: set[int] = set()
+        for name, tensor in self.full_state_dict().items():
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                yield name, tensor
 
     def save(self, path: Path) -> None:
         """Write ``model/`` (HF directory: config, safetensors) + ``optimizer.pt`` + ``trainer_state.json``, and
@@ -354,7 +361,11 @@ class FSDP2Backend:
             return
         path = Path(path)
         write_weights(weights, path / "model" / "model.safetensors")
-        self.model.config.save_pretrained(path / "model")
+        config = copy.deepcopy(self.model.config)
+        config.use_cache = True  # turned off for training only; the saved model is for inference
+        config.save_pretrained(path / "model")
+        if (self.model_path / "generation_config.json").is_file():
+            shutil.copy2(self.model_path / "generation_config.json", path / "model" / "generation_config.json")
         torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, path / "optimizer.pt")
         if critic is not None:
             write_weights(critic[0], path / "critic" / "model.safetensors")
