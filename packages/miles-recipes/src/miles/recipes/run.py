@@ -172,15 +172,18 @@ def run(cfg: MilesConfig, run_dir: Path, *, resume_from: Path | None = None) -> 
         eval_prompts=eval_prompts,
         save_checkpoint=save,
     )
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     try:
-        train_sync(
-            components,
-            loop=cfg.loop,
-            rollout=cfg.rollout,
-            algorithm=cfg.algorithm,
-            evaluation=cfg.eval,
-            start_step=start_step,
-        )
+        with logging_redirect_tqdm():  # log lines print above the progress bar instead of through it
+            train_sync(
+                components,
+                loop=cfg.loop,
+                rollout=cfg.rollout,
+                algorithm=cfg.algorithm,
+                evaluation=cfg.eval,
+                start_step=start_step,
+            )
     finally:
         sink.close()
         if (run_dir / "metrics.jsonl").stat().st_size:
