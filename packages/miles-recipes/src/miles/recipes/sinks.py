@@ -40,6 +40,8 @@ class ConsoleSink:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._shown.update({k: v for k, v in metrics.items() if k in CONSOLE_KEYS})
         self.bar.set_postfix({k: f"{v:.3g}" for k, v in self._shown.items()}, refresh=False)
+        if step == 0 and self.bar.n == 0:  # the step-0 eval is not a training step: keep it out of the ETA
+            self.bar.reset(total=self.bar.total)
         if step > self.bar.n:
             self.bar.update(step - self.bar.n)
         logger.debug("step %d: %s", step, metrics)
