@@ -17,7 +17,17 @@ import torch
 import torch.distributed as dist
 from miles.sync.bucket import Bucket
 from miles.sync.receiver import WeightReceiver
-from miles.sync.transports.messages import Abort, Ack, Begin, BucketReady, Close, Commit, UpdateSession, raise_on_errors
+from miles.sync.transports.messages import (
+    Abort,
+    Ack,
+    Begin,
+    BucketReady,
+    Close,
+    Commit,
+    UpdateSession,
+    raise_on_errors,
+    serve_until_closed,
+)
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -116,25 +126,19 @@ class DistributedEndpoint:
         """Take part in collectives until one update is committed or aborted; False once the sender closed."""
         while True:
             message = _broadcast_message(None, src=self.src, group=self.group)
-            match message:
-                case Begin(version):
-                    self._session.begin(version)
-                case BucketReady(meta, slot, _):
-                    self._session.bucket(meta, self._receive_payload(slot, meta.nbytes))
-                case Commit(version, num_buckets):
-                    ack = self._session.commit(version, num_buckets)
-                    dist.all_gather_object([None] * dist.get_world_size(self.group), ack, group=self.group)
-                    return True
-                case Abort(version, reason):
-                    self._session.abort(version, reason)
-                    return True
-                case Close():
-                    self.slots.clear()
-                    return False
-                case _:
-                    raise TypeError(f"unexpected message {message!r} from rank {self.src}")
+            done = self._session.handle(
+                message,
+                payload=lambda ready: self._receive_payload(ready.slot, ready.meta.nbytes),
+                send_ack=lambda ack: dist.all_gather_object(
+                    [None] * dist.get_world_size(self.group), ack, group=self.group
+                ),
+                peer=f"rank {self.src}",
+            )
+            if done is False:
+                self.slots.clear()
+            if done is not None:
+                return done
 
     def serve(self) -> None:
         """Serve updates until the sender closes the transport."""
-        while self.serve_update():
-            pass
+        serve_until_closed(self)

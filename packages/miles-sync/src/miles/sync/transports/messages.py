@@ -5,6 +5,7 @@ endpoint. Receiver -> sender: one ``Ack`` per ``Commit``. Receivers report a rej
 bucket costs no round trip.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from miles.sync.bucket import Bucket, BucketMeta
@@ -89,6 +90,41 @@ class UpdateSession:
 
     def abort(self, version: int, reason: str) -> None:
         self.receiver.abort_update(version, reason)
+
+    def handle(
+        self, message: object, *, payload: Callable[[BucketReady], Tensor], send_ack: Callable[[Ack], None], peer: str
+    ) -> bool | None:
+        """Apply one control message: None = keep reading, True = an update ended (committed or aborted),
+        False = the sender closed the transport.
+
+        Args:
+            payload: returns the bucket's bytes for a ``BucketReady`` (transport-specific: a slot view, a broadcast).
+            send_ack: delivers the ``Ack`` of a ``Commit`` to the sender.
+            peer: names the sender in the error for an unknown message.
+        Raises: TypeError for a message this protocol does not know.
+        """
+        match message:
+            case Begin(version):
+                self.begin(version)
+            case BucketReady(meta, _, _):
+                self.bucket(meta, payload(message))
+            case Commit(version, num_buckets):
+                send_ack(self.commit(version, num_buckets))
+                return True
+            case Abort(version, reason):
+                self.abort(version, reason)
+                return True
+            case Close():
+                return False
+            case _:
+                raise TypeError(f"unexpected message {message!r} from {peer}")
+        return None
+
+
+def serve_until_closed(endpoint) -> None:
+    """Run ``endpoint.serve_update()`` until the sender closes the transport."""
+    while endpoint.serve_update():
+        pass
 
 
 def raise_on_errors(acks: list[Ack], version: int) -> None:

@@ -144,22 +144,16 @@ class P2PEndpoint:
                 message = self.conn.recv()
             except EOFError:
                 return False
-            match message:
-                case AllocateSlot(slot, nbytes):
-                    buffer = self.slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                    self.engine.register(buffer)
-                    self.conn.send(RemoteBuffer(self.engine.session, buffer.data_ptr(), nbytes))
-                case Begin(version):
-                    self._session.begin(version)
-                case BucketReady(meta, slot, _):
-                    self._session.bucket(meta, self.slots[slot][: meta.nbytes])
-                case Commit(version, num_buckets):
-                    self.conn.send(self._session.commit(version, num_buckets))
-                    return True
-                case Abort(version, reason):
-                    self._session.abort(version, reason)
-                    return True
-                case Close():
-                    return False
-                case _:
-                    raise TypeError(f"unexpected message {message!r} on the P2P control connection")
+            if isinstance(message, AllocateSlot):
+                buffer = self.slots[message.slot] = torch.empty(message.nbytes, dtype=torch.uint8, device=self.device)
+                self.engine.register(buffer)
+                self.conn.send(RemoteBuffer(self.engine.session, buffer.data_ptr(), message.nbytes))
+                continue
+            done = self._session.handle(
+                message,
+                payload=lambda ready: self.slots[ready.slot][: ready.meta.nbytes],
+                send_ack=self.conn.send,
+                peer="the P2P control connection",
+            )
+            if done is not None:
+                return done

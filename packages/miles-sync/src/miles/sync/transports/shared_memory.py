@@ -29,6 +29,7 @@ from miles.sync.transports.messages import (
     Commit,
     UpdateSession,
     raise_on_errors,
+    serve_until_closed,
 )
 from torch import Tensor
 
@@ -125,26 +126,19 @@ class SharedMemoryEndpoint:
                 message = self.conn.recv()
             except EOFError:
                 return False
-            match message:
-                case Begin(version):
-                    self._session.begin(version)
-                case BucketReady(meta, slot, buffer):
-                    if buffer is not None:
-                        self.slots[slot] = buffer
-                    self._session.bucket(meta, self.slots[slot][: meta.nbytes])
-                case Commit(version, num_buckets):
-                    self.conn.send(self._session.commit(version, num_buckets))
-                    return True
-                case Abort(version, reason):
-                    self._session.abort(version, reason)
-                    return True
-                case Close():
-                    self.slots.clear()
-                    return False
-                case _:
-                    raise TypeError(f"unexpected message {message!r} on the shared-memory connection")
+            if isinstance(message, BucketReady) and message.buffer is not None:
+                self.slots[message.slot] = message.buffer  # first use of this slot: its storage arrives once
+            done = self._session.handle(
+                message,
+                payload=lambda ready: self.slots[ready.slot][: ready.meta.nbytes],
+                send_ack=self.conn.send,
+                peer="the shared-memory connection",
+            )
+            if done is False:
+                self.slots.clear()
+            if done is not None:
+                return done
 
     def serve(self) -> None:
         """Serve updates until the sender closes the transport."""
-        while self.serve_update():
-            pass
+        serve_until_closed(self)
