@@ -1,4 +1,4 @@
-"""Epoch bookkeeping shared by the built-in data sources: a seeded shuffle per epoch and a resumable position."""
+"""Shared by the built-in data sources: a seeded shuffle per epoch, a resumable position, chat messages."""
 
 from __future__ import annotations
 
@@ -6,6 +6,13 @@ import random
 from typing import Any
 
 from miles.core.sample import Sample
+
+
+def make_messages(question: str, *, system_prompt: str | None, prompt_suffix: str) -> list[dict[str, str]]:
+    """Chat messages for one question: optional system message, then the question plus a suffix."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question + prompt_suffix})
+    return messages
 
 
 class EpochShuffledSource:

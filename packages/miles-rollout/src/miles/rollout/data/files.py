@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from miles.core.sample import Sample
-from miles.rollout.data.epoch import EpochShuffledSource
-from miles.rollout.data.reasoning_gym import make_messages
+from miles.rollout.data.epoch import EpochShuffledSource, make_messages
 
 logger = logging.getLogger(__name__)
 

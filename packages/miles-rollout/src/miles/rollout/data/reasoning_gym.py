@@ -5,14 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles.core.sample import Sample
-from miles.rollout.data.epoch import EpochShuffledSource
-
-
-def make_messages(question: str, *, system_prompt: str | None, prompt_suffix: str) -> list[dict[str, str]]:
-    """Chat messages for one question: optional system message, then the question plus a suffix."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question + prompt_suffix})
-    return messages
+from miles.rollout.data.epoch import EpochShuffledSource, make_messages
 
 
 class ReasoningGymSource(EpochShuffledSource):
