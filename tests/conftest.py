@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests are deterministic by default (the README's test command and CI): the same examples every run, no
+# example database replaying an old failure. `HYPOTHESIS_PROFILE=explore` (or `--hypothesis-profile explore`)
+# searches fresh random examples and prints a `@reproduce_failure` blob for any failure it finds.
+settings.register_profile("deterministic", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 

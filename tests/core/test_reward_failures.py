@@ -157,7 +157,9 @@ def test_random_malformed_rows_are_counted_and_never_served(tmp_path, lines):
     lines = [line.replace(b"\n", b" ").replace(b"\r", b" ") for line in lines]  # one row per line
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    num_rows = sum(1 for line in lines if line.strip())
+    # a row is any line with a byte other than JSON whitespace (RFC 8259: space, tab, CR, LF); 0x1C, 0x0C,
+    # U+00A0 ... lines are rows (bad ones), never silently dropped
+    num_rows = sum(1 for line in lines if line.strip(b" \t\r\n"))
     try:
         source = FileSource(path, bad_rows="skip")
     except ValueError as err:

@@ -15,6 +15,9 @@ GOOD = json.dumps({"question": "1+1?", "answer": "2"}).encode()
 
 BAD_LINES = [
     pytest.param(b'{"question": "1+1?"', "not JSON", id="truncated_json"),
+    pytest.param(b"\x1c", "not JSON", id="control_character"),  # str.strip() would call this line blank
+    pytest.param(b"\x0c\x0b", "not JSON", id="form_feed_vertical_tab"),  # bytes.strip() would too
+    pytest.param("\u00a0".encode(), "not JSON", id="no_break_space"),
     pytest.param(b"\xff\xfe{}", "not UTF-8", id="non_utf8"),
     pytest.param(json.dumps({"answer": "2"}).encode(), "missing key 'question'", id="missing_prompt"),
     pytest.param(json.dumps({"question": "1+1?"}).encode(), "missing key 'answer'", id="missing_label"),
@@ -32,7 +35,7 @@ BAD_LINES = [
 def test_a_bad_row_stops_the_run_naming_file_line_and_reason(tmp_path, bad_line, reason):
     path = tmp_path / "data.jsonl"
     path.write_bytes(GOOD + b"\n" + bad_line + b"\n" + GOOD + b"\n")
-    with pytest.raises(ValueError, match=rf"(?s)1 bad rows.*data.jsonl:2: .*{reason}.*--data.bad-rows skip"):
+    with pytest.raises(ValueError, match=rf"has 1 bad row \(.*data.jsonl:2(:\d+)?: .*{reason}.*--data.bad-rows skip"):
         FileSource(path)
 
 
@@ -42,8 +45,55 @@ def test_a_bad_row_is_skipped_and_counted_with_bad_rows_skip(tmp_path, bad_line,
     path.write_bytes(GOOD + b"\n" + bad_line + b"\n\n" + GOOD + b"\n")  # a blank line is not a row
     source = FileSource(path, bad_rows="skip")
     assert (source.size, source.num_bad_rows) == (2, 1)
-    assert source.bad_row_reasons[0].startswith("data.jsonl:2: ")
+    assert source.bad_row_reasons[0].startswith("data.jsonl:2")
     assert [s.label for s in source.next_prompts(2)] == ["2", "2"]
+
+
+def test_a_json_error_names_its_column_on_the_line_not_past_the_line_break(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(GOOD + b"\r\n" + b'{"question": "1+1?"\r\n')  # 19 characters: the comma is missing at 20
+    source = FileSource(path, bad_rows="skip")
+    assert source.bad_row_reasons == ["data.jsonl:2:20: not JSON (Expecting ',' delimiter at column 20)"]
+
+
+def test_only_json_whitespace_makes_a_line_blank(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n \t\r\n" + GOOD + b"\r\n\r\n   \n" + GOOD)  # CRLF, spaces, tabs, no final newline
+    source = FileSource(path)
+    assert (source.size, source.num_bad_rows) == (2, 0)
+
+
+def test_several_bad_rows_are_reported_in_one_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join([GOOD] + [b"\x1c"] * 7))
+    with pytest.raises(ValueError) as err:
+        FileSource(path)
+    message = str(err.value)
+    assert "\n" not in message and "has 7 bad rows" in message
+    assert "data.jsonl:2:1: not JSON" in message and "data.jsonl:6:1" in message and "and 2 more" in message
+
+
+def test_an_empty_file_names_the_key_and_the_fix(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n\n")
+    with pytest.raises(ValueError, match=r"data.path '.*data.jsonl' has no usable row \(the file is empty or blank\); "
+                       "point --data.path at a file with rows"):  # fmt: skip
+        FileSource(path)
+
+
+def test_held_out_rows_are_never_served_for_training(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(10)))
+    source = FileSource(path, num_heldout=3)
+    heldout = source.heldout_source(seed=5)
+    train_labels = {s.label for s in source.next_prompts(20)}  # two epochs
+    eval_labels = {s.label for s in heldout.next_prompts(3)}
+    assert (source.size, heldout.size) == (7, 3)
+    assert train_labels.isdisjoint(eval_labels) and train_labels | eval_labels == {str(i) for i in range(10)}
+    # the held-out choice does not move with the training seed
+    assert {r["answer"] for r in FileSource(path, seed=9, num_heldout=3).heldout_rows} == eval_labels
+    with pytest.raises(ValueError, match="too few to hold out 10.*--data.eval-path"):
+        FileSource(path, num_heldout=10)
 
 
 def test_a_file_without_a_usable_row_fails_even_when_skipping(tmp_path):

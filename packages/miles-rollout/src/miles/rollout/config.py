@@ -28,7 +28,13 @@ class DataConfig(_Section):
     eval_seed: int = Field(
         999_999, description="Seed of the held-out eval entries (a different seed gives different prompts)."
     )
-    path: str = Field("", description="JSONL/Parquet file (source=file), e.g. GSM8K's test.jsonl.")
+    path: str = Field("", description="JSONL/Parquet training file (source=file), e.g. GSM8K's train.jsonl.")
+    eval_path: str = Field(
+        "",
+        description="JSONL/Parquet file of held-out eval prompts (source=file; same columns), e.g. GSM8K's "
+        "test.jsonl. Empty = hold eval.num_prompts rows of data.path out of training (a fixed choice) and "
+        "evaluate on them.",
+    )
     prompt_key: str = Field("question", description="Column holding the question text (source=file).")
     label_key: str = Field("answer", description="Column holding the reference answer (source=file).")
     system_prompt: str = Field("", description="System message; empty = the chat template's default.")
@@ -45,10 +51,17 @@ class DataConfig(_Section):
     def _check(self) -> DataConfig:
         if self.source == "file" and not self.path:
             raise ValueError("data.source is 'file' but data.path is empty; pass --data.path /path/to/file.jsonl")
-        if self.source == "file" and not Path(self.path).expanduser().is_file():
+        for key, value in (("path", self.path), ("eval_path", self.eval_path)):
+            if self.source == "file" and value and not Path(value).expanduser().is_file():
+                raise ValueError(
+                    f"data.{key} is {value!r}, which is not a file (relative paths start at the current directory "
+                    f"{Path.cwd()}); pass --data.{key.replace('_', '-')} /path/to/file.jsonl"
+                )
+        if self.eval_path and self.source != "file":
             raise ValueError(
-                f"data.path is {self.path!r}, which is not a file (relative paths start at the current directory "
-                f"{Path.cwd()}); pass --data.path /path/to/file.jsonl"
+                f"data.eval_path is {self.eval_path!r} but data.source is {self.source!r}: eval files are for "
+                "source=file (a reasoning-gym task draws its eval prompts with data.eval_seed). Drop --data.eval-path "
+                "or set --data.source file."
             )
         return self
 
