@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+from types import ModuleType
 from typing import Any
 
 from miles.core.sample import Sample
 from miles.rollout.data.epoch import EpochShuffledSource, make_messages
+
+# cellpylib (a reasoning-gym dependency) writes `memoize is "recursive"`. Python warns about `is` with a literal
+# when it compiles a .py file, so an import that compiles cellpylib (the first one, or every one when no bytecode
+# cache is written: PYTHONDONTWRITEBYTECODE, read-only site-packages) prints 4 SyntaxWarnings. A compile-time
+# warning's module is the file path minus ".py" (.../site-packages/cellpylib/ca_functions), not the dotted name,
+# so a filter on module "cellpylib.*" never matches; this pattern accepts both forms.
+_CELLPYLIB_MODULE = r"(.*[/\\])?cellpylib[/\\.]"
+
+
+def import_reasoning_gym() -> ModuleType:
+    """``import reasoning_gym``, without the SyntaxWarnings its dependency cellpylib raises while being compiled.
+
+    Only that warning, and only during the first import, is ignored; every other warning still shows.
+    """
+    if "reasoning_gym" not in sys.modules:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r'"is" with a literal', category=SyntaxWarning, module=_CELLPYLIB_MODULE
+            )
+            import reasoning_gym  # noqa: F401
+    return sys.modules["reasoning_gym"]
 
 
 class ReasoningGymSource(EpochShuffledSource):
@@ -31,8 +55,7 @@ class ReasoningGymSource(EpochShuffledSource):
         system_prompt: str | None = None,
         prompt_suffix: str = "",
     ) -> None:
-        import reasoning_gym
-
+        reasoning_gym = import_reasoning_gym()
         try:
             self.dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **(task_kwargs or {}))
         except (KeyError, ValueError, TypeError) as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from miles.core.sample import Sample
+from miles.rollout.data.reasoning_gym import import_reasoning_gym
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -33,13 +34,11 @@ def reasoning_gym_reward(sample: Sample) -> float:
     ``sample.label`` must be the reasoning-gym entry (``ReasoningGymSource`` sets it).
     Raises: ValueError if the label is not a reasoning-gym entry.
     """
-    import reasoning_gym
-
     entry = sample.label
     if not isinstance(entry, dict) or "metadata" not in entry:
         raise ValueError(f"sample {sample.index}: label is not a reasoning-gym entry (got {type(entry).__name__})")
     answer = extract_answer(sample.metadata.get("response_text", ""))
     if answer is None:
         return 0.0
-    score_fn = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
+    score_fn = import_reasoning_gym().get_score_answer_fn(entry["metadata"]["source_dataset"])
     return 1.0 if score_fn(answer, entry) == 1.0 else 0.0

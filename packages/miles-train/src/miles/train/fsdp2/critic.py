@@ -31,6 +31,11 @@ def response_values(scores: Tensor, prompt_lengths: Tensor, *, num_response_colu
     return scores.gather(1, pos).float()
 
 
+def _copy_output(module: torch.nn.Module, args: tuple, output: Tensor) -> Tensor:
+    """Forward hook: the module's output as a tensor with its own storage (not a view)."""
+    return output.clone()
+
+
 class Critic:
     """Value model V(s_t) for GAE: a token-classification head (1 label) on an HF decoder, with its own AdamW.
 
@@ -58,6 +63,10 @@ class Critic:
 
         model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32)
         model.config.use_cache = False
+        # The head is nn.Linear(H, 1) with a bias: on a 3-D input torch runs addmm on the flattened input and returns
+        # a view of the result, so FSDP2 warns that the critic "returned a view tensor" (an in-place op on it would
+        # skip the pre-backward hook). A copy of the [B, L, 1] scores is not a view and costs B x L floats.
+        model.score.register_forward_hook(_copy_output)
         self.model = parallelize(model, mesh=mesh, param_dtype=param_dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.value_clip, self.micro_batch_size, self.grad_clip = value_clip, micro_batch_size, grad_clip
