@@ -81,9 +81,9 @@ def test_two_steps_then_resume_then_two_steps_equal_four_steps_straight(tiny_smo
     assert main(["export", "--checkpoint", str(tmp_path / "split" / "checkpoints" / "step_4"), "--out", str(out)]) == 2
 
 
-def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
+def test_resume_of_a_run_that_does_not_exist_is_a_clear_error(tmp_path, capsys):
     assert main(["train", "--resume", "--run.dir", str(tmp_path), "--run.name", "nothing"]) == 2
-    assert "run 'nothing'" in capsys.readouterr().err
+    assert "there is no run 'nothing' under" in capsys.readouterr().err
     assert main(["train", "--resume"]) == 2
     assert "--resume without a path needs --run.name" in capsys.readouterr().err
 

@@ -109,3 +109,33 @@ def test_token_id_prompts_go_through_unchanged_and_empty_prompts_fail_the_sample
     assert [s.group_index for s in samples] == [0, 0, 1, 1]
     assert samples[0].tokens[:3] == [1, 7, 9] and samples[0].response_length >= 1
     assert samples[2].status == SampleStatus.FAILED and "empty prompt" in samples[2].metadata["failure"]
+
+
+def test_stop_counter_reports_each_sequence_once_when_it_samples_a_stop_token_and_stops_nothing():
+    from miles.rollout.engines.embedded import StopCounter
+
+    calls = []
+    counter = StopCounter([2, 9], calls.append)
+    # Prompt [1, 5] for 3 sequences; step 1 samples [2, 4, 7]: row 0 stops.
+    done = counter(torch.tensor([[1, 5, 2], [1, 5, 4], [1, 5, 7]]), None)
+    # Step 2: row 0 is padded with 2 (not counted again), row 1 samples the other stop id 9, row 2 goes on.
+    done |= counter(torch.tensor([[1, 5, 2, 2], [1, 5, 4, 9], [1, 5, 7, 3]]), None)
+    assert calls == [1, 1] and counter.num_stopped == 2
+    assert done.tolist() == [False, False, False]
+
+
+def test_on_finished_counts_every_sequence_during_decoding_and_changes_no_sample(tiny_llama_dir):
+    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], max_batch_size=8)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
+    requests = [GenerateRequest([1, 3 + i % 5], sampling, seed=11) for i in range(12)]  # two batches: 8 + 4
+    calls = []
+    with_progress = engine.generate(requests, on_finished=calls.append)
+    without = engine.generate(requests)
+    assert [o.response_tokens for o in with_progress] == [o.response_tokens for o in without]
+    assert [o.log_probs for o in with_progress] == [o.log_probs for o in without]
+    assert sum(calls) == 12
+    num_stopped = sum(o.finish_reason == "stop" for o in with_progress)
+    num_length = 12 - num_stopped
+    assert num_stopped >= 2 and num_length >= 1  # both ways of finishing are exercised by this seed
+    # One call per decode step where something stopped, plus one per batch for the rest: more than 2 calls.
+    assert len(calls) > 2

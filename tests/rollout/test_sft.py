@@ -20,3 +20,17 @@ def test_multi_turn_loss_mask_trains_only_the_assistant_turns(smollm2_dir):
     assert "4" in trained and "6" in trained and trained.count("<|im_end|>") == 2
     assert "and 3+3?" in untrained and "3+3" not in trained
     assert loss_mask[0] == 1  # the prompt ends right after the first assistant header
+
+
+def test_sft_rollout_reports_all_its_samples_finished_when_given_a_progress_callback(smollm2_dir):
+    from miles.core.config import SamplingConfig
+    from miles.core.sample import Sample
+    from miles.rollout.sft import SFTRollout
+    from transformers import AutoTokenizer
+
+    rollout = SFTRollout(AutoTokenizer.from_pretrained(smollm2_dir))
+    prompts = [Sample(index=i, group_index=i, prompt=f"{i}+1?", label=str(i + 1)) for i in range(2)]
+    calls = []
+    samples = rollout(prompts, n_samples_per_prompt=3, sampling=SamplingConfig(), seed=0, on_finished=calls.append)
+    assert calls == [6] and len(samples) == 6
+    assert rollout(prompts, n_samples_per_prompt=3, sampling=SamplingConfig(), seed=0)[0].tokens == samples[0].tokens

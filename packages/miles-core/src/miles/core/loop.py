@@ -20,8 +20,17 @@ from miles.core.algorithms.advantages import (
 from miles.core.algorithms.masking import overlong_filter_keep, overlong_penalty, response_mask
 from miles.core.batch import TrainBatch, build_train_batch
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
+from miles.core.logs import warn_once
 from miles.core.plugins import load_plugin
-from miles.core.protocols import DataSource, MetricsSink, RewardFn, RolloutFn, TrainBackend, WeightPusher
+from miles.core.protocols import (
+    DataSource,
+    MetricsSink,
+    ProgressBar,
+    RewardFn,
+    RolloutFn,
+    TrainBackend,
+    WeightPusher,
+)
 from miles.core.rewards import score_samples
 from miles.core.sample import Sample, SampleStatus, group_samples
 
@@ -43,6 +52,11 @@ class Components:
     sink: MetricsSink
     eval_prompts: Sequence[Sample] = ()
     save_checkpoint: Callable[[int], None] | None = None  # called with the number of completed steps
+    # Polled between steps; True ends the run early (a Ctrl-C/SIGTERM asked for a clean stop).
+    should_stop: Callable[[], bool] = lambda: False
+    # Opens a bar over an evaluation's number of samples; the rollout function then gets ``on_finished`` (it must
+    # accept it). None: no eval progress, and the rollout function is called without it.
+    progress: Callable[[int], ProgressBar] | None = None
 
 
 def train_sync(
@@ -53,12 +67,19 @@ def train_sync(
     algorithm: AlgorithmConfig,
     evaluation: EvalConfig,
     start_step: int = 0,
-) -> None:
-    """Run steps ``start_step .. loop.num_steps - 1``; evaluate before the first and after the last."""
+) -> int:
+    """Run steps ``start_step .. loop.num_steps - 1``; evaluate before the first and after the last.
+
+    Checkpoints are saved every ``loop.save_interval`` steps, after the last, and after the step during which
+    ``components.should_stop()`` became True; the run then ends there (without the final eval).
+    Returns: the number of completed steps (``loop.num_steps`` unless stopped early).
+    """
     c = components
     if evaluation.num_prompts and c.eval_prompts and start_step == 0:
         c.sink.log(evaluate(c, evaluation), step=0)
     for step in range(start_step, loop.num_steps):
+        if c.should_stop():  # asked before this step began (e.g. during the step-0 eval): nothing new to save
+            return step
         metrics = run_step(c, step=step, rollout=rollout, algorithm=algorithm)
         last = step + 1 == loop.num_steps
         if (
@@ -68,8 +89,13 @@ def train_sync(
         ):
             metrics.update(evaluate(c, evaluation))
         c.sink.log(metrics, step=step + 1)
-        if c.save_checkpoint is not None and (last or (loop.save_interval and (step + 1) % loop.save_interval == 0)):
+        stop = not last and c.should_stop()
+        periodic = loop.save_interval and (step + 1) % loop.save_interval == 0
+        if c.save_checkpoint is not None and (last or periodic or stop):
             c.save_checkpoint(step + 1)
+        if stop:
+            return step + 1
+    return loop.num_steps
 
 
 def run_step(c: Components, *, step: int, rollout: RolloutConfig, algorithm: AlgorithmConfig) -> dict[str, float]:
@@ -125,6 +151,9 @@ def run_step(c: Components, *, step: int, rollout: RolloutConfig, algorithm: Alg
 
     metrics = rollout_metrics(samples, scores[valid_t])
     metrics.update(filter_metrics)
+    metrics["groups/no_signal_ratio"] = no_signal_ratio(rewards, inputs.group_index, valid_t)
+    if metrics["groups/no_signal_ratio"] == 1.0:
+        warn_once(logger, NO_SIGNAL_WARNING, step, int(inputs.group_index.unique().numel()), metrics["reward/mean"])
     num_response_tokens = sum(s.response_length for s in samples)
     num_tokens = sum(len(s.tokens) for s in samples)
     metrics.update(train_metrics)
@@ -230,6 +259,34 @@ def _train_on(backend: TrainBackend, batch: TrainBatch, steps_per_rollout: int) 
     return {k: statistics.fmean(m[k] for m in per_step) for k in per_step[0]}
 
 
+NO_SIGNAL_WARNING = (
+    "step %d: all %d groups have zero reward variance (groups/no_signal_ratio 1.0; mean reward %.3g): every valid "
+    "sample of a prompt got the same reward, so every advantage is 0 and the step learns nothing. Fixes: an easier "
+    "task or a larger model; more samples per prompt (--rollout.n-samples-per-prompt 8); a longer "
+    "--rollout.sampling.max-new-tokens if answers are cut off (see truncated_ratio); check the reward function and "
+    "the answer format it expects (miles config show RECIPE); or keep only groups with signal "
+    "(--algorithm.dynamic-sampling true). Shown once; metrics.jsonl has groups/no_signal_ratio for every step."
+)
+
+
+def no_signal_ratio(rewards: torch.Tensor, group_index: torch.Tensor, valid: torch.Tensor) -> float:
+    """Fraction of groups whose valid samples all have the same reward (fewer than two valid counts too): their
+    group-relative advantages are 0, so they add nothing to the policy gradient.
+
+    Args:
+        rewards: [B] float32, shaped rewards (what the advantages see); any value where not valid.
+        group_index: [B] int64, the prompt each sample answers.
+        valid: [B] bool, False for FAILED/ABORTED samples (left out of the comparison).
+    Returns: groups without signal / groups, in [0, 1].
+    """
+    groups = group_index.unique()
+    num_no_signal = 0
+    for group in groups:
+        group_rewards = rewards[(group_index == group) & valid]
+        num_no_signal += bool(group_rewards.numel() < 2 or (group_rewards == group_rewards[0]).all())
+    return num_no_signal / len(groups)
+
+
 def rollout_metrics(samples: Sequence[Sample], valid_rewards: torch.Tensor) -> dict[str, float]:
     """reward/mean, reward/std, response_length/mean, truncated_ratio over one rollout."""
     lengths = [s.response_length for s in samples]
@@ -244,12 +301,20 @@ def rollout_metrics(samples: Sequence[Sample], valid_rewards: torch.Tensor) -> d
 def evaluate(c: Components, evaluation: EvalConfig) -> dict[str, float]:
     """Generate on the fixed eval prompts with the eval sampling settings; mean reward as ``eval/reward``."""
     t0 = time.perf_counter()
-    samples = c.rollout_fn(
-        list(c.eval_prompts)[: evaluation.num_prompts],
-        n_samples_per_prompt=evaluation.n_samples_per_prompt,
-        sampling=evaluation.sampling,
-        seed=0,  # the same seed every time: evaluations differ only by the weights
-    )
+    prompts = list(c.eval_prompts)[: evaluation.num_prompts]
+    bar = c.progress(len(prompts) * evaluation.n_samples_per_prompt) if c.progress is not None else None
+    progress = {"on_finished": bar.update} if bar is not None else {}  # rollout fns never given a bar may lack it
+    try:
+        samples = c.rollout_fn(
+            prompts,
+            n_samples_per_prompt=evaluation.n_samples_per_prompt,
+            sampling=evaluation.sampling,
+            seed=0,  # the same seed every time: evaluations differ only by the weights
+            **progress,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     num_failed = score_samples(samples, c.reward_fn)
     rewards = [s.reward for s in samples if s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED)]
     return {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -59,8 +59,15 @@ class Engine(Protocol):
         """Version of the weights the engine holds: 0 before any update, then the pusher's versions."""
         ...
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
-        """One output per request, in request order. Raises RuntimeError while paused."""
+    def generate(
+        self, requests: Sequence[GenerateRequest], *, on_finished: Callable[[int], None] | None = None
+    ) -> list[GenerateOutput]:
+        """One output per request, in request order. Raises RuntimeError while paused.
+
+        ``on_finished``, for progress display only, is called with the number of requests whose response just
+        finished, as they finish; the counts sum to ``len(requests)``. Callers pass it only when they show
+        progress, so an engine that is never given one may leave it out.
+        """
         ...
 
     def pause(self) -> None:
@@ -101,11 +108,34 @@ class RolloutFn(Protocol):
 
     Returned samples have ``tokens``, ``response_length``, ``rollout_log_probs``, ``status`` (COMPLETED or
     TRUNCATED) and ``weight_version`` set; rewards are not yet computed.
+
+    ``on_finished``, for progress display only, is called with the number of samples that just finished
+    (generated, or failed before generation), as they finish; the counts sum to the number of samples returned.
+    The loop passes it only when ``Components.progress`` is set, so a rollout function used without one may leave
+    it out. It must not change what is sampled.
     """
 
     def __call__(
-        self, prompts: Sequence[Sample], *, n_samples_per_prompt: int, sampling: SamplingConfig, seed: int
+        self,
+        prompts: Sequence[Sample],
+        *,
+        n_samples_per_prompt: int,
+        sampling: SamplingConfig,
+        seed: int,
+        on_finished: Callable[[int], None] | None = None,
     ) -> list[Sample]: ...
+
+
+class ProgressBar(Protocol):
+    """A progress display over a known number of items (a ``tqdm`` bar is one)."""
+
+    def update(self, n: int) -> None:
+        """Count ``n`` more items as done."""
+        ...
+
+    def close(self) -> None:
+        """Remove (or finish) the display."""
+        ...
 
 
 class RewardFn(Protocol):

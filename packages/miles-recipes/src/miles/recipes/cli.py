@@ -7,7 +7,6 @@ import argparse
 import logging
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +36,14 @@ def _validate(raw: dict, override_args: list[str]):
         raise ValueError(format_validation_error(err, MilesConfig)) from None
 
 
-def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[Any, Path, Path]:
-    """``--resume [PATH]`` -> (config, run directory, checkpoint directory).
+def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[Any, Path, Path | None]:
+    """``--resume [PATH]`` -> (config, run directory, checkpoint directory or None).
 
-    Without PATH the checkpoint is ``latest`` of the run ``--run.dir``/``--run.name``. The config is the one stored
-    in the checkpoint with the command line's overrides on top (e.g. a larger ``--loop.num-steps``); the run
-    directory is the checkpoint's own unless ``--run.name`` names another (a branch of the run).
+    Without PATH the checkpoint is ``latest`` of the run ``--run.dir``/``--run.name``; a run without a checkpoint
+    yet (stopped or crashed before its first save) gives None: it starts again from step 0 with its recorded
+    ``config.yaml``. The config is the one stored in the checkpoint with the command
+    line's overrides on top (e.g. a larger ``--loop.num-steps``); the run directory is the checkpoint's own unless
+    ``--run.name`` names another (a branch of the run).
     Raises: ValueError naming the flag and the fix.
     """
     from miles.recipes.checkpoint import read_latest
@@ -52,12 +53,16 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
     if resume == "latest":
         if not located.run.name:
             raise ValueError("--resume without a path needs --run.name NAME (the run to continue from its latest)")
-        checkpoint = read_latest(Path(located.run.dir) / located.run.name / "checkpoints")
-        if checkpoint is None:
+        run_dir = Path(located.run.dir) / located.run.name
+        checkpoint = read_latest(run_dir / "checkpoints")
+        recorded = run_dir / "config.yaml"
+        if checkpoint is None and not recorded.is_file():
             raise ValueError(
-                f"--resume: run {located.run.name!r} under {located.run.dir!r} has no checkpoint; check --run.name "
-                "and --run.dir, or start it without --resume"
+                f"--resume: there is no run {located.run.name!r} under {located.run.dir!r} (no config.yaml, no "
+                "checkpoint); check --run.name and --run.dir, or start it without --resume"
             )
+        if checkpoint is None:  # built and started, stopped before its first checkpoint: again from step 0
+            return _validate(yaml.safe_load(recorded.read_text()), override_args), run_dir, None
     else:
         checkpoint = Path(resume)
     if not (checkpoint / "config.yaml").is_file():
@@ -71,15 +76,40 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
     return cfg, run_dir, checkpoint
 
 
+TRAIN_EPILOG = """\
+common options (any config key works as --section.key VALUE; dashes or underscores):
+  --loop.num-steps N                    rollout steps (each: generate, score, train, push weights)
+  --loop.save-interval N                checkpoint every N steps (and after the last; Ctrl-C also saves)
+  --rollout.rollout-batch-size N        prompts per step
+  --rollout.n-samples-per-prompt N      samples per prompt (the GRPO group size)
+  --rollout.sampling.max-new-tokens N   response length limit
+  --train.lr LR                         learning rate
+  --algorithm.advantage-estimator NAME  grpo, dr_grpo, rloo, reinforce_plus_plus, gae, opd, ...
+  --model.path PATH                     a registered model name or a local HF model directory
+  --data.source file --data.path F      train on a JSONL/Parquet file (--data.eval-path for its eval file)
+  --reward.type math|custom             math-verify, or --reward.path module:function
+  --eval.num-prompts N                  held-out eval prompts (0 = no eval)
+  --run.name NAME  --run.dir DIR        where the run directory goes (default runs/<recipe>-<time>)
+  --run.num-threads N                   torch threads (1 when another job shares the cores)
+
+every key, its default and its description:  miles config show RECIPE
+shipped recipes:                             miles recipes list
+continue a run exactly:                      miles train --run.name NAME --resume
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    # reasoning-gym's dependency cellpylib has `is` comparisons with literals: Python warns at each import.
-    warnings.filterwarnings("ignore", category=SyntaxWarning, module=r"cellpylib.*")
     parser = argparse.ArgumentParser(prog="miles", description="Miles: RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
-        "train", help="train with a recipe; any config key can be overridden: --rollout.n-samples-per-prompt 8"
+        "train",
+        help="train with a recipe; any config key can be overridden: --rollout.n-samples-per-prompt 8",
+        description="Train with a recipe. The config is validated as a whole before anything loads.",
+        usage="miles train [--recipe NAME] [--resume [PATH]] [--overwrite] [--section.key VALUE ...]",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("--recipe", default=DEFAULT_RECIPE, help="shipped recipe name or YAML path")
+    train.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"shipped recipe name or YAML path ({DEFAULT_RECIPE})")
     train.add_argument(
         "--resume",
         nargs="?",
@@ -87,7 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="PATH",
         help="continue exactly from a checkpoint: PATH (a step_N dir), or without PATH the latest checkpoint of "
-        "--run.name; the checkpoint's config is used, with the given overrides on top",
+        "--run.name (a run without a checkpoint starts again from step 0); the checkpoint's config is used, with "
+        "the given overrides on top",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start --run.name over: delete its checkpoints and metrics (once the new run is built)",
     )
     export = sub.add_parser("export", help="write a checkpoint's model as a plain HF directory (safetensors)")
     export.add_argument("--checkpoint", required=True, help="runs/<name>/checkpoints/step_N")
@@ -102,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     config.add_argument("action", choices=["show"])
     config.add_argument("recipe")
     args, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _setup_logging()
 
     from miles.recipes.registry import recipe_description, recipe_names
 
@@ -114,47 +150,103 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args.checkpoint, args.out, rest)
     recipe = args.recipe
     resume = getattr(args, "resume", None)
+    overwrite = getattr(args, "overwrite", False)
     try:
+        if resume is not None and overwrite:
+            raise ValueError("--resume continues a run and --overwrite deletes it: pass one of them")
         if resume is not None:
             cfg, run_dir, checkpoint = resolve_resume(resume, recipe, rest)
         else:
             cfg, checkpoint = resolve_config(recipe, rest), None
     except ValueError as err:
-        print(f"miles: {err}", file=sys.stderr)  # noqa: T201
-        return 2
+        return _fail(err)
     if args.command == "config":
         from miles.recipes.overrides import documented_yaml
 
         print(documented_yaml(cfg))  # noqa: T201
         return 0
-    from miles.recipes.run import run
+    from miles.recipes.checkpoint import load_run_state, read_latest
+    from miles.recipes.run import RunSetupError, run
 
-    if checkpoint is None:
+    if resume is None:
         name = cfg.run.name or f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         run_dir = Path(cfg.run.dir) / name
-        if (run_dir / "metrics.jsonl").exists():
-            print(  # noqa: T201
-                f"miles: run directory {run_dir} already has a run; pick another --run.name, or continue it with "
-                f"--run.name {name} --resume",
-                file=sys.stderr,
+        if not overwrite and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+            saved = read_latest(run_dir / "checkpoints")
+            how = f"its latest checkpoint is {saved.name}" if saved else "it has no checkpoint: it starts from step 0"
+            return _fail(
+                f"run directory {run_dir} already has a run; continue it with --run.name {name} --resume ({how}), "
+                "start it over with --overwrite, or pick another --run.name"
             )
-            return 2
-    final = run(cfg, run_dir, resume_from=checkpoint)
-    logger.info("done: run directory %s, final checkpoint %s", run_dir, final)
+    cfg = _with_run_name(cfg, run_dir.name)
+    continue_cmd = f"miles train --run.name {run_dir.name}{_dir_flag(run_dir)} --resume"
+    if checkpoint is not None:
+        done = load_run_state(checkpoint)["step"]
+        if done >= cfg.loop.num_steps:
+            print(  # noqa: T201
+                f"miles: run {run_dir.name} already finished: {checkpoint.name} has {done} of loop.num_steps "
+                f"{cfg.loop.num_steps} steps; to train on, add --loop.num-steps {done + cfg.loop.num_steps} to "
+                f"`{continue_cmd}`"
+            )
+            return 0
+    elif resume is not None:
+        logger.info("run %s has no checkpoint yet: starting it from step 0", run_dir.name)
+    restart = resume is not None and checkpoint is None  # a previous attempt without a checkpoint is replaced
+    try:
+        result = run(cfg, run_dir, resume_from=checkpoint, replace_existing=overwrite or restart)
+    except RunSetupError as err:
+        return _fail(err)
+    except KeyboardInterrupt:
+        saved = read_latest(run_dir / "checkpoints") if run_dir.is_dir() else None
+        where = (
+            f"the last checkpoint is {saved.name}" if saved else "no checkpoint was written, so it starts from step 0"
+        )
+        print(f"\nmiles: interrupted; {where}. Continue with: {continue_cmd}", file=sys.stderr)  # noqa: T201
+        return 130
+    if result.stopped_by is not None:
+        print(  # noqa: T201
+            f"miles: stopped by {result.stopped_by} after step {result.steps_done} of {result.num_steps}; "
+            f"checkpoint {result.checkpoint}. Continue with: {continue_cmd}",
+            file=sys.stderr,
+        )
+        return 130
+    logger.info("done: run directory %s, final checkpoint %s", run_dir, result.checkpoint)
     return 0
+
+
+def _setup_logging() -> None:
+    """Console: INFO from Miles (lifecycle lines), WARNING from everything else; per-step DEBUG lines go to the
+    run's ``train.log`` only (see ``miles.recipes.run``)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(logging.INFO)
+    logging.getLogger("miles").setLevel(logging.INFO)
+
+
+def _fail(err: Exception | str) -> int:
+    """Print a user error as one ``miles:`` line on stderr; exit status 2."""
+    print(f"miles: {' '.join(str(err).split())}", file=sys.stderr)  # noqa: T201
+    return 2
+
+
+def _with_run_name(cfg: Any, name: str) -> Any:
+    """The config with ``run.name`` set, so the run's ``config.yaml`` records its (generated) name."""
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
+
+
+def _dir_flag(run_dir: Path) -> str:
+    return "" if run_dir.parent == Path("runs") else f" --run.dir {run_dir.parent}"
 
 
 def _export(checkpoint: str, out: str, rest: list[str]) -> int:
     from miles.recipes.checkpoint import export_hf_model
 
     if rest:
-        print(f"miles export: unexpected arguments {rest}", file=sys.stderr)  # noqa: T201
-        return 2
+        return _fail(f"export: unexpected arguments {rest}")
     try:
         path = export_hf_model(Path(checkpoint), Path(out))
     except (FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"miles: {err}", file=sys.stderr)  # noqa: T201
-        return 2
+        return _fail(err)
     logger.info("exported %s to %s", checkpoint, path)
     return 0
 

@@ -6,6 +6,11 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +34,20 @@ class JsonlSink:
 
 
 class ConsoleSink:
-    """A tqdm progress bar over the run's steps, showing the key metrics of the last step."""
+    """A tqdm progress bar over the run's steps, showing the key metrics of the last step; ``eval_bar`` opens a
+    second, transient one while an evaluation runs (as ``Components.progress``)."""
 
     def __init__(self, total_steps: int, *, initial: int = 0, enabled: bool = True) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total_steps, initial=initial, desc="miles", unit="step", disable=not enabled)
         self._shown: dict[str, float] = {}
+
+    def eval_bar(self, total: int) -> tqdm:
+        """A bar under the step bar counting finished eval samples out of ``total``; erased when closed."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="eval", unit="sample", leave=False, disable=self.bar.disable)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._shown.update({k: v for k, v in metrics.items() if k in CONSOLE_KEYS})
@@ -65,28 +77,37 @@ class MultiSink:
             sink.close()
 
 
-def plot_rewards(metrics_path: Path, out_path: Path) -> None:
-    """PNG of train reward per step (and eval reward where measured) from a ``metrics.jsonl``."""
-    import matplotlib
+def reward_figure(rows: list[dict[str, Any]]) -> Figure:
+    """Train reward per step as a line with markers, eval reward as markers only (evals are sparse: a line would
+    invent values for the steps between them), integer step ticks.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Args:
+        rows: ``metrics.jsonl`` rows, ``{"step": k, "reward/mean": ..., "eval/reward": ...}`` (keys optional).
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
     train = [(r["step"], r["reward/mean"]) for r in rows if r.get("reward/mean") is not None]
     evals = [(r["step"], r["eval/reward"]) for r in rows if r.get("eval/reward") is not None]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
     if train:
         ax.plot(*zip(*train), marker="o", label="train reward (rollout batch)")
     if evals:
-        ax.plot(*zip(*evals), marker="s", linestyle="--", label="eval reward (held-out)")
+        ax.plot(*zip(*evals), marker="s", markersize=8, linestyle="None", label="eval reward (held-out)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also on short runs
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_rewards(metrics_path: Path, out_path: Path) -> None:
+    """Write ``reward_figure`` of a ``metrics.jsonl`` as a PNG, atomically (a temp file, then renamed)."""
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
     tmp = out_path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
+    reward_figure(rows).savefig(tmp, dpi=100)  # a bare Figure: no pyplot state, no backend switch
     tmp.replace(out_path)

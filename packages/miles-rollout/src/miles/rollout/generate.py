@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from miles.core.config import SamplingConfig
@@ -60,8 +60,15 @@ class ChatRollout:
         self.max_prompt_tokens = max_prompt_tokens
 
     def __call__(
-        self, prompts: Sequence[Sample], *, n_samples_per_prompt: int, sampling: SamplingConfig, seed: int
+        self,
+        prompts: Sequence[Sample],
+        *,
+        n_samples_per_prompt: int,
+        sampling: SamplingConfig,
+        seed: int,
+        on_finished: Callable[[int], None] | None = None,
     ) -> list[Sample]:
+        """``RolloutFn``; ``on_finished`` counts failed prompts' samples at once and is handed to the engine."""
         samples: list[Sample] = []
         requests: list[GenerateRequest] = []
         pending: list[Sample] = []
@@ -90,7 +97,11 @@ class ChatRollout:
                 pending.append(sample)
                 # One seed per request batch keeps a step reproducible; the engine's RNG varies the samples.
                 requests.append(GenerateRequest(prompt_tokens=prompt_tokens, sampling=sampling, seed=seed))
-        outputs = self.engine.generate(requests) if requests else []
+        if on_finished is not None and len(samples) > len(pending):  # prompts that failed to render
+            on_finished(len(samples) - len(pending))
+        # The callback goes to the engine only when given, so engines without progress support keep working.
+        progress = {"on_finished": on_finished} if on_finished is not None else {}
+        outputs = self.engine.generate(requests, **progress) if requests else []
         for sample, output in zip(pending, outputs):
             sample.tokens = sample.tokens + output.response_tokens
             sample.response_length = len(output.response_tokens)

@@ -3,7 +3,7 @@ assistant turns of a multi-turn conversation are trained (the loss mask)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from miles.core.config import SamplingConfig
@@ -68,7 +68,13 @@ class SFTRollout:
         self.tokenizer = tokenizer
 
     def __call__(
-        self, prompts: Sequence[Sample], *, n_samples_per_prompt: int, sampling: SamplingConfig, seed: int
+        self,
+        prompts: Sequence[Sample],
+        *,
+        n_samples_per_prompt: int,
+        sampling: SamplingConfig,
+        seed: int,
+        on_finished: Callable[[int], None] | None = None,
     ) -> list[Sample]:
         samples = []
         for prompt in prompts:
@@ -92,4 +98,6 @@ class SFTRollout:
                         metadata=dict(prompt.metadata),
                     )
                 )
+        if on_finished is not None:  # nothing is generated: every sample is done at once
+            on_finished(len(samples))
         return samples

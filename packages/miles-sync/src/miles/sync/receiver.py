@@ -134,7 +134,7 @@ class WeightReceiver:
                 f"weight_version stays v{self.weight_version}, but the model may be partially loaded"
             ) from err
         self.weight_version = version
-        logger.info(
+        logger.debug(  # per step
             "applied weights v%d: %d tensors, %d buckets, %.1f MiB in %.3fs",
             version,
             len(pending.named_tensors),

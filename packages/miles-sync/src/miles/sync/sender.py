@@ -116,7 +116,7 @@ class WeightSender:
                     "update v%d failed (attempt %d of %d), retrying: %s", version, attempt + 1, attempts, err
                 )
         self.version = version
-        logger.info(
+        logger.debug(  # per step: the run log file has it, the console does not
             "pushed weights v%d in %.3fs (%s, %d buckets, %.1f MiB)",
             version,
             time.perf_counter() - start,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -74,9 +74,16 @@ class EmbeddedEngine:
     def weight_version(self) -> int:
         return self.receiver.weight_version
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+    def generate(
+        self, requests: Sequence[GenerateRequest], *, on_finished: Callable[[int], None] | None = None
+    ) -> list[GenerateOutput]:
         """Sample a response for each request; requests with equal sampling settings are batched together.
 
+        Args:
+            requests: the generations to run.
+            on_finished: called from inside the decode loop with the number of sequences that just sampled a stop
+                token, and after each batch with the number that hit ``max_new_tokens``; for progress display, it
+                changes nothing that is sampled.
         Raises: RuntimeError if the engine is paused.
         """
         if self._paused.is_set():
@@ -90,7 +97,8 @@ class EmbeddedEngine:
                 for start in range(0, len(indices), self.max_batch_size):
                     chunk = indices[start : start + self.max_batch_size]
                     seed = requests[chunk[0]].seed
-                    results = self._generate_batch([requests[i].prompt_tokens for i in chunk], sampling, seed)
+                    prompts = [requests[i].prompt_tokens for i in chunk]
+                    results = self._generate_batch(prompts, sampling, seed, on_finished=on_finished)
                     for i, result in zip(chunk, results):
                         outputs[i] = result
         return outputs  # type: ignore[return-value]
@@ -126,9 +134,14 @@ class EmbeddedEngine:
     # -- sampling --------------------------------------------------------------------------------
     @torch.no_grad()
     def _generate_batch(
-        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int | None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seed: int | None,
+        *,
+        on_finished: Callable[[int], None] | None = None,
     ) -> list[GenerateOutput]:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, StoppingCriteriaList
 
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a generate request has an empty prompt; every request needs at least one token")
@@ -151,10 +164,18 @@ class EmbeddedEngine:
             return_dict_in_generate=True,
             output_logits=self.logprob_mode == "decode",
         )
+        counter = StopCounter(self.stop_token_ids, on_finished) if on_finished is not None else None
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=config,
+                stopping_criteria=StoppingCriteriaList([counter] if counter is not None else []),
+            )
+        if counter is not None:  # the rest ran to max_new_tokens
+            on_finished(len(prompts) - counter.num_stopped)
         new_tokens = out.sequences[:, max_len:]  # [B, S]
         stop = torch.isin(new_tokens, torch.tensor(self.stop_token_ids))
         lengths = [int(hits[0]) + 1 if len(hits) else new_tokens.shape[1] for hits in (row.nonzero() for row in stop)]
@@ -199,3 +220,34 @@ class EmbeddedEngine:
         )
         lengths = torch.tensor([len(r) for r in responses])
         return log_probs * (torch.arange(width)[None, :] < lengths[:, None])
+
+
+class StopCounter:
+    """A transformers stopping criterion that stops nothing: it counts the sequences that just sampled a stop token
+    and reports them to ``on_finished``, so progress shows inside one batched ``model.generate`` call.
+
+    It returns all False, so ``generate`` stops, samples and pads exactly as without it. Once a sequence has
+    stopped, ``generate`` pads it with ``pad_token_id`` (a stop token here): ``stopped`` keeps it from counting twice.
+    It has no ``eos_token_id`` attribute on purpose: transformers reads one as "an EOS criterion is present".
+    """
+
+    def __init__(self, stop_token_ids: Sequence[int], on_finished: Callable[[int], None]) -> None:
+        self.stop_token_ids = torch.tensor(list(stop_token_ids))
+        self.on_finished = on_finished
+        self.stopped: Tensor | None = None  # [B] bool, set on the first decode step
+
+    @property
+    def num_stopped(self) -> int:
+        """Sequences that have sampled a stop token so far."""
+        return 0 if self.stopped is None else int(self.stopped.sum())
+
+    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs: object) -> Tensor:
+        """input_ids: [B, L] int64, prompt and tokens so far (the newest last). Returns [B] bool, all False."""
+        hit = torch.isin(input_ids[:, -1], self.stop_token_ids.to(input_ids.device))  # [B]
+        if self.stopped is None:
+            self.stopped = torch.zeros_like(hit)
+        num_new = int((hit & ~self.stopped).sum())  # host sync, once per decode step: generate syncs there too
+        self.stopped |= hit
+        if num_new:
+            self.on_finished(num_new)
+        return torch.zeros_like(hit)

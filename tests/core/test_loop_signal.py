@@ -1,0 +1,168 @@
+"""The loop says when a step cannot learn: groups/no_signal_ratio per step, and one warning per run when every
+group's rewards are equal (every advantage 0)."""
+
+import logging
+
+import pytest
+import torch
+from miles.core import logs
+from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
+from miles.core.loop import Components, no_signal_ratio, train_sync
+from miles.core.sample import Sample, SampleStatus
+
+DONE, FAILED = SampleStatus.COMPLETED, SampleStatus.FAILED
+
+
+@pytest.fixture(autouse=True)
+def fresh_warn_once(monkeypatch):
+    """Each test is its own run: forget what earlier tests in this process were warned about."""
+    monkeypatch.setattr(logs, "_warned", set())
+
+
+@pytest.mark.parametrize(
+    "rewards, group_index, valid, expected",
+    [
+        pytest.param([1, 1, 0, 0], [0, 0, 1, 1], [1, 1, 1, 1], 1.0, id="both_groups_flat"),
+        pytest.param([1, 0, 0, 0], [0, 0, 1, 1], [1, 1, 1, 1], 0.5, id="one_of_two_flat"),
+        pytest.param([1, 0, 1, 0], [0, 0, 1, 1], [1, 1, 1, 1], 0.0, id="both_with_signal"),
+        # Group 0: [1, 0] but the 0 failed, so its valid rewards are [1]: flat. Group 1 [0, 1] has signal.
+        pytest.param([1, 0, 0, 1], [0, 0, 1, 1], [1, 0, 1, 1], 0.5, id="failed_sample_left_out"),
+        # Three groups of three: [0.5, 0.5, 0.5] flat; [0.5, 0.5, 1] signal; [1, 1, 1] flat -> 2/3.
+        pytest.param([0.5, 0.5, 0.5, 0.5, 0.5, 1, 1, 1, 1], [4, 4, 4, 7, 7, 7, 9, 9, 9], [1] * 9, 2 / 3,
+                     id="two_of_three_flat"),
+        pytest.param([1, 0], [3, 3], [0, 0], 1.0, id="all_failed_group_has_no_signal"),
+    ],
+)  # fmt: skip
+def test_no_signal_ratio_counts_groups_whose_valid_rewards_are_all_equal(rewards, group_index, valid, expected):
+    ratio = no_signal_ratio(
+        torch.tensor(rewards, dtype=torch.float32),
+        torch.tensor(group_index, dtype=torch.int64),
+        torch.tensor(valid, dtype=torch.bool),
+    )
+    assert ratio == pytest.approx(expected, abs=1e-12)
+
+
+class Prompts:
+    def __init__(self):
+        self.count = 0
+
+    def next_prompts(self, num):
+        prompts = [Sample(index=i, group_index=self.count + i, prompt=[1, 3]) for i in range(num)]
+        self.count += num
+        return prompts
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+class ScriptedRollout:
+    """Each prompt gets the next scripted group: a list of (first response token, status); the reward is the token."""
+
+    def __init__(self, groups):
+        self.groups = iter(groups)
+
+    def __call__(self, prompts, *, n_samples_per_prompt, sampling, seed):
+        samples = []
+        for prompt in prompts:
+            for token, status in next(self.groups):
+                samples.append(
+                    Sample(
+                        index=len(samples),
+                        group_index=prompt.group_index,
+                        prompt=prompt.prompt,
+                        tokens=[1, 3, token],
+                        response_length=1,
+                        rollout_log_probs=[-1.0],
+                        status=status,
+                    )
+                )
+        return samples
+
+
+class ZeroBackend:
+    def compute_log_probs(self, batch):
+        return batch.replace(old_log_probs=torch.zeros(batch.loss_mask.shape))
+
+    def train_step(self, batch):
+        return {"loss": 0.0}
+
+    def export_weights(self):
+        return iter(())
+
+
+class Pusher:
+    def push(self, named_tensors):
+        return 1
+
+
+class ListSink:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, metrics, step):
+        self.rows.append({"step": step, **metrics})
+
+    def close(self):
+        pass
+
+
+def test_a_run_whose_steps_have_no_reward_variance_warns_once_and_logs_the_ratio_every_step(caplog):
+    flat0, flat1, mixed = [(0, DONE), (0, DONE)], [(1, DONE), (1, DONE)], [(0, DONE), (1, DONE)]
+    with_failure = [(1, DONE), (0, FAILED)]  # the failed 0 is left out: [1] alone is flat
+    steps = [
+        [flat0, flat1],  # 2/2 flat -> warns
+        [mixed, flat0],  # 1/2
+        [flat0, with_failure],  # 2/2 flat again -> already warned
+        [mixed, mixed],  # 0/2
+    ]
+    sink = ListSink()
+    components = Components(
+        data_source=Prompts(),
+        rollout_fn=ScriptedRollout([group for step in steps for group in step]),
+        reward_fn=lambda s: float(s.response_tokens[0]),
+        backend=ZeroBackend(),
+        weight_pusher=Pusher(),
+        sink=sink,
+    )
+    with caplog.at_level(logging.WARNING, logger="miles.core.loop"):
+        train_sync(
+            components,
+            loop=LoopConfig(num_steps=4),
+            rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2),
+            algorithm=AlgorithmConfig(),
+            evaluation=EvalConfig(num_prompts=0),
+        )
+    assert [row["groups/no_signal_ratio"] for row in sink.rows] == [1.0, 0.5, 1.0, 0.0]
+    warnings = [r for r in caplog.records if "zero reward variance" in r.getMessage()]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert message.startswith("step 0: all 2 groups have zero reward variance")
+    assert "mean reward 0.5" in message  # rewards [0, 0, 1, 1]
+    for fix in ("--rollout.n-samples-per-prompt", "--rollout.sampling.max-new-tokens", "miles config show",
+                "--algorithm.dynamic-sampling true", "larger model"):  # fmt: skip
+        assert fix in message
+
+
+def test_a_step_with_signal_in_some_group_does_not_warn(caplog):
+    sink = ListSink()
+    components = Components(
+        data_source=Prompts(),
+        rollout_fn=ScriptedRollout([[(0, DONE), (0, DONE)], [(0, DONE), (1, DONE)]]),
+        reward_fn=lambda s: float(s.response_tokens[0]),
+        backend=ZeroBackend(),
+        weight_pusher=Pusher(),
+        sink=sink,
+    )
+    with caplog.at_level(logging.WARNING, logger="miles.core.loop"):
+        train_sync(
+            components,
+            loop=LoopConfig(num_steps=1),
+            rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2),
+            algorithm=AlgorithmConfig(),
+            evaluation=EvalConfig(num_prompts=0),
+        )
+    assert sink.rows[0]["groups/no_signal_ratio"] == 0.5
+    assert not caplog.records

@@ -1,0 +1,161 @@
+"""Ctrl-C and restarts with default checkpoint settings (tiny model, real `miles train` processes).
+
+One Ctrl-C mid-step finishes the step, saves it and exits 130 with one line; `--resume` then continues exactly as
+a run that was never interrupted. Two Ctrl-C abandon the step at once; a run without any checkpoint can be
+started again (`--resume` from step 0, or `--overwrite`). A finished run says so when resumed.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from miles.recipes.cli import main
+
+pytestmark = pytest.mark.integration
+
+# Rewards of a tiny random model; on the first sample of step `SLOW_STEP` (0-based) it announces itself through a
+# marker file and sleeps, so the test's signal arrives mid-step, during the rollout's scoring.
+REWARD_MODULE = """
+import os, time
+from pathlib import Path
+
+def odd_first_token(sample):
+    slow_step, prompts_per_step = int(os.environ["SLOW_STEP"]), 2
+    marker = Path(os.environ["MARKER"])
+    if sample.group_index // prompts_per_step == slow_step and not marker.exists():
+        marker.write_text("in step")
+        time.sleep(float(os.environ["SLEEP_S"]))
+    return float(sample.response_tokens[0] % 2)
+"""
+
+NUM_STEPS = 4
+
+
+def _overrides(model_dir, run_dir, name):
+    return [
+        "--model.path", str(model_dir),
+        "--data.size", "6",
+        "--reward.type", "custom", "--reward.path", "interrupt_reward:odd_first_token",
+        "--rollout.rollout-batch-size", "2", "--rollout.n-samples-per-prompt", "4",
+        "--rollout.sampling.max-new-tokens", "3",
+        "--train.lr", "1e-2", "--train.micro-batch-size", "8",
+        "--eval.num-prompts", "0",
+        "--loop.num-steps", str(NUM_STEPS),  # loop.save_interval and loop.keep_checkpoints: the defaults
+        "--run.dir", str(run_dir), "--run.name", name, "--run.progress", "false", "--run.num-threads", "1",
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def reward_env(tmp_path, monkeypatch):
+    (tmp_path / "interrupt_reward.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = {"SLOW_STEP": "-1", "MARKER": str(tmp_path / "marker"), "SLEEP_S": "0"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+def _start(args, tmp_path, *, slow_step, sleep_s):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env.update(SLOW_STEP=str(slow_step), MARKER=str(tmp_path / "marker"), SLEEP_S=str(sleep_s))
+    cmd = [sys.executable, "-m", "miles.recipes.cli", "train", *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, process, timeout_s=300.0):
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run never reached the slow step"
+        time.sleep(0.05)
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_one_ctrl_c_mid_step_saves_that_step_and_resume_continues_exactly(
+    tiny_smollm2_dir, tmp_path, reward_env, capsys
+):
+    assert main(["train", *_overrides(tiny_smollm2_dir, tmp_path, "straight")]) == 0
+
+    process = _start(_overrides(tiny_smollm2_dir, tmp_path, "stopped"), tmp_path, slow_step=1, sleep_s=2)
+    _wait_for(tmp_path / "marker", process)
+    process.send_signal(signal.SIGINT)  # during step 2 (0-based 1): the default save interval (5) is not due
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    run = tmp_path / "stopped"
+    assert stderr.strip().splitlines()[-1] == (
+        f"miles: stopped by SIGINT after step 2 of {NUM_STEPS}; checkpoint {run / 'checkpoints' / 'step_2'}. "
+        f"Continue with: miles train --run.name stopped --run.dir {tmp_path} --resume"
+    )
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert [r["step"] for r in _metrics(run)] == [1, 2]
+
+    capsys.readouterr()
+    assert main(["train", "--run.dir", str(tmp_path), "--run.name", "stopped", "--resume"]) == 0
+    straight, resumed = _metrics(tmp_path / "straight"), _metrics(run)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for key in ("loss", "reward/mean", "grad_norm", "weight_version"):
+        assert [r[key] for r in resumed] == [r[key] for r in straight], key
+    assert any(r["grad_norm"] > 0 for r in straight)
+    # defaults: a periodic save every 5 steps, the newest 2 kept
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_2", "step_4"]
+    assert yaml.safe_load((run / "config.yaml").read_text())["run"]["name"] == "stopped"
+    assert (run / "train.log").is_file() and "pushed weights v4" in (run / "train.log").read_text()
+
+    capsys.readouterr()
+    assert main(["train", "--run.dir", str(tmp_path), "--run.name", "stopped", "--resume"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"miles: run stopped already finished: step_4 has 4 of loop.num_steps {NUM_STEPS} steps; to train on, add "
+        f"--loop.num-steps 8 to `miles train --run.name stopped --run.dir {tmp_path} --resume`"
+    )
+
+
+def test_two_ctrl_c_abandon_the_step_and_a_run_without_checkpoint_can_be_restarted(
+    tiny_smollm2_dir, tmp_path, reward_env, capsys
+):
+    args = _overrides(tiny_smollm2_dir, tmp_path, "abandoned")
+    process = _start(args, tmp_path, slow_step=0, sleep_s=120)
+    _wait_for(tmp_path / "marker", process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)  # the 120 s sleep was cut short
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "miles: interrupted; no checkpoint was written, so it starts from step 0. "
+        f"Continue with: miles train --run.name abandoned --run.dir {tmp_path} --resume"
+    )
+    run = tmp_path / "abandoned"
+    assert not (run / "checkpoints").exists()
+
+    capsys.readouterr()
+    assert main(["train", *args]) == 2  # a fresh start would mix two runs' metrics
+    assert capsys.readouterr().err == (
+        f"miles: run directory {run} already has a run; continue it with --run.name abandoned --resume (it has no "
+        "checkpoint: it starts from step 0), start it over with --overwrite, or pick another --run.name\n"
+    )
+
+    assert main(["train", *args, "--resume"]) == 0
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]
+    assert main(["train", *args, "--overwrite", "--loop.num-steps", "1"]) == 0
+    assert [r["step"] for r in _metrics(run)] == [1]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_1"]
+
+
+def test_a_generated_run_name_is_recorded_in_the_config(tiny_smollm2_dir, tmp_path, reward_env):
+    args = _overrides(tiny_smollm2_dir, tmp_path, "x")
+    name_at = args.index("--run.name")
+    del args[name_at : name_at + 2]
+    assert main(["train", *args, "--loop.num-steps", "1"]) == 0
+    (run,) = tmp_path.glob("smollm2_grpo_arithmetic-*")
+    assert yaml.safe_load((run / "config.yaml").read_text())["run"]["name"] == run.name

@@ -1,0 +1,50 @@
+"""ChatRollout's progress callback: failed prompts count at once, the rest is the engine's to report."""
+
+from miles.core.config import SamplingConfig
+from miles.core.protocols import GenerateOutput
+from miles.core.sample import Sample
+
+
+class CountingEngine:
+    """Answers every request with [5, 2]; reports the requests as finished one by one."""
+
+    weight_version = 0
+
+    def __init__(self):
+        self.num_requests = 0
+
+    def generate(self, requests, *, on_finished=None):
+        self.num_requests += len(requests)
+        for _ in requests:
+            on_finished(1)
+        return [GenerateOutput([5, 2], [-1.0, -1.0], "stop") for _ in requests]
+
+
+class EngineWithoutProgress:
+    weight_version = 0
+
+    def generate(self, requests):
+        return [GenerateOutput([5, 2], [-1.0, -1.0], "stop") for _ in requests]
+
+
+def test_failed_prompts_count_as_finished_at_once_and_the_engine_reports_the_rest():
+    from miles.rollout.generate import ChatRollout
+
+    engine = CountingEngine()
+    rollout = ChatRollout(engine, tokenizer=None, max_prompt_tokens=3)
+    # Prompt 1 is empty and prompt 2 too long (4 > 3 tokens): their 2 x 3 samples fail before generation.
+    prompts = [Sample(index=0, group_index=0, prompt=[1, 7]), Sample(index=1, group_index=1, prompt=""),
+               Sample(index=2, group_index=2, prompt=[1, 2, 3, 4])]  # fmt: skip
+    calls = []
+    samples = rollout(prompts, n_samples_per_prompt=3, sampling=SamplingConfig(), seed=0, on_finished=calls.append)
+    assert calls == [6, 1, 1, 1]
+    assert sum(calls) == len(samples) == 9 and engine.num_requests == 3
+
+
+def test_an_engine_without_progress_support_works_when_no_callback_is_given():
+    from miles.rollout.generate import ChatRollout
+
+    rollout = ChatRollout(EngineWithoutProgress(), tokenizer=None)
+    samples = rollout([Sample(index=0, group_index=0, prompt=[1, 7])], n_samples_per_prompt=2,
+                      sampling=SamplingConfig(), seed=0)  # fmt: skip
+    assert [s.response_tokens for s in samples] == [[5, 2], [5, 2]]
