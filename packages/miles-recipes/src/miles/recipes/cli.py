@@ -197,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     except RunSetupError as err:
         return _fail(err)
     except KeyboardInterrupt:
-        saved = read_latest(run_dir / "checkpoints") if run_dir.is_dir() else None
+        if not (run_dir / "config.yaml").is_file():  # still building: nothing was written
+            print("\nmiles: interrupted before the run started; nothing was written", file=sys.stderr)  # noqa: T201
+            return 130
+        saved = read_latest(run_dir / "checkpoints")
         where = (
             f"the last checkpoint is {saved.name}" if saved else "no checkpoint was written, so it starts from step 0"
         )
