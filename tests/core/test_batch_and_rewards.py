@@ -32,6 +32,17 @@ def test_untrained_samples_are_fully_masked():
     assert batch.num_loss_tokens == 2
 
 
+def test_nan_and_inf_advantages_at_masked_slots_become_exactly_zero():
+    # Per-sample [1.5, NaN] with the second untrained; per-token [B, T] with inf in the padding column of row 0.
+    samples = [_sample(0, [1], [2, 3]), _sample(1, [1], [2, 3])]
+    batch = build_train_batch(samples, torch.tensor([1.5, math.nan]), pad_token_id=0, trained=[True, False])
+    assert batch.advantages.tolist() == [[1.5, 1.5], [0.0, 0.0]]  # NaN * 0 would have left NaN in row 1
+    short = [_sample(0, [1], [2]), _sample(1, [1], [2, 3])]
+    per_token = torch.tensor([[0.5, math.inf], [-1.0, -math.inf]])
+    batch = build_train_batch(short, per_token, pad_token_id=0, trained=[True, False])
+    assert batch.advantages.tolist() == [[0.5, 0.0], [0.0, 0.0]]
+
+
 def test_micro_batches_trim_padding_columns_but_keep_values():
     samples = [_sample(0, [1, 2], [3]), _sample(1, [1, 2, 3, 4], [5, 6, 7])]
     batch = build_train_batch(samples, torch.tensor([1.0, 2.0]), pad_token_id=0)

@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 import torch
-from miles.core.config import AlgorithmConfig, EvalConfig, RolloutConfig, SamplingConfig
-from miles.core.loop import Components, evaluate, run_step
+from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, SamplingConfig
+from miles.core.loop import Components, evaluate, run_step, train_sync
 from miles.core.sample import Sample, SampleStatus
 
 
@@ -29,7 +29,8 @@ class Prompts:
 
 
 class ScriptedRollout:
-    """Each call answers every prompt with the next scripted group: (response tokens, finish status) per sample."""
+    """Each call answers every prompt with the next scripted group: (response tokens, finish status[, loss mask])
+    per sample."""
 
     def __init__(self, groups):
         self.groups = iter(groups)
@@ -39,7 +40,7 @@ class ScriptedRollout:
         self.calls.append(len(prompts))
         samples = []
         for prompt in prompts:
-            for response, status in next(self.groups):
+            for response, status, *loss_mask in next(self.groups):
                 samples.append(
                     Sample(
                         index=len(samples),
@@ -47,6 +48,7 @@ class ScriptedRollout:
                         prompt=prompt.prompt,
                         tokens=[1, 3, *response],
                         response_length=len(response),
+                        loss_mask=loss_mask[0] if loss_mask else None,
                         rollout_log_probs=[-1.0] * len(response),
                         status=status,
                     )
@@ -75,6 +77,14 @@ class Pusher:
         return 1
 
 
+class NullSink:
+    def log(self, metrics, step):
+        pass
+
+    def close(self):
+        pass
+
+
 def _components(rollout_fn, reward_fn):
     return Components(
         data_source=Prompts(),
@@ -82,7 +92,7 @@ def _components(rollout_fn, reward_fn):
         reward_fn=reward_fn,
         backend=RecordingBackend(),
         weight_pusher=Pusher(),
-        sink=None,
+        sink=NullSink(),
     )
 
 
@@ -160,6 +170,69 @@ def test_overlong_filter_masks_length_truncated_samples_by_finish_reason():
     assert batch.loss_mask.int().tolist() == [[1, 1, 1, 1], [0, 0, 0, 0]]
     # The truncated sample still counts in the group statistics: rewards [1, 0] -> +0.7071 on the kept one.
     assert batch.advantages[0, 0].item() == pytest.approx(0.70711, abs=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_a_sample_without_trainable_tokens_leaves_its_group_statistics(estimator):
+    # Rewards = first token: [1 (only tool tokens, loss mask [0, 0]), 1, 0]. Over the two trainable samples [1, 0]:
+    # grpo (1 - 0.5) / std 0.7071 = +-0.70711; rloo 1 - 0 = +-1. Counting the tool-only sample, [1, 1, 0] would
+    # give grpo (1 - 2/3) / 0.57735 = 0.57735 and -1.1547, rloo 1 - 0.5 = 0.5 and 0 - 1 = -1.
+    group = [([1, 5], DONE, [0, 0]), ([1, 6], DONE), ([0, 6], DONE)]
+    c = _components(ScriptedRollout([group]), reward_is_first_token)
+    rollout = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=3)
+    algorithm = AlgorithmConfig(advantage_estimator=estimator, advantage_eps=1e-12)
+    metrics = run_step(c, step=0, rollout=rollout, algorithm=algorithm)
+    (batch,) = c.backend.batches
+    expected = {"grpo": [0.0, 0.70711, -0.70711], "rloo": [0.0, 1.0, -1.0]}[estimator]
+    assert batch.advantages[:, 0].tolist() == pytest.approx(expected, abs=1e-5)
+    assert batch.loss_mask.int().tolist() == [[0, 0], [1, 1], [1, 1]]
+    assert metrics["reward/mean"] == pytest.approx(2 / 3)  # it was scored: it counts in the reward metrics
+
+
+def test_an_overlong_filtered_sample_stays_in_its_group_statistics_but_a_tool_only_one_does_not():
+    # DAPO: truncated samples count in the group statistics, untrained. Rewards = last token == 9:
+    # [0 (truncated, filtered), 1 (only tool tokens), 1, 0]. The statistics cover [0, 1, 0] (truncated kept,
+    # tool-only left out): mean 1/3, sample std sqrt((1/9 + 4/9 + 1/9) / 2) = 0.57735, so the trained ones get
+    # (1 - 1/3) / 0.57735 = 1.1547 and (0 - 1/3) / 0.57735 = -0.57735.
+    group = [
+        ([5, 6, 7, 8], SampleStatus.TRUNCATED),
+        ([5, 6, 9], DONE, [0, 0, 0]),
+        ([5, 6, 9], DONE),
+        ([5, 6, 7], DONE),
+    ]
+    c = _components(ScriptedRollout([group]), lambda s: float(s.response_tokens[-1] == 9))
+    rollout = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=4, sampling=SamplingConfig(max_new_tokens=4))
+    run_step(c, step=0, rollout=rollout, algorithm=AlgorithmConfig(overlong_filter=True, advantage_eps=1e-12))
+    (batch,) = c.backend.batches
+    assert batch.loss_mask.int().tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]
+    assert batch.advantages[:, 0].tolist() == pytest.approx([0.0, 0.0, 1.1547, -0.57735], abs=1e-4)
+
+
+def test_train_sync_refuses_a_group_baseline_with_one_sample_per_prompt_before_generating():
+    rollout_fn = ScriptedRollout([])
+    c = _components(rollout_fn, reward_is_first_token)
+    with pytest.raises(ValueError, match=r"rollout.n_samples_per_prompt is 1, but advantage 'rloo' needs at least 2"):
+        train_sync(
+            c,
+            loop=LoopConfig(num_steps=1),
+            rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1),
+            algorithm=AlgorithmConfig(advantage_estimator="rloo"),
+            evaluation=EvalConfig(num_prompts=0),
+        )
+    assert rollout_fn.calls == []  # refused once, at the start: nothing was generated
+
+
+def test_train_sync_runs_one_sample_per_prompt_with_an_estimator_that_needs_no_group():
+    c = _components(ScriptedRollout([[([1], DONE)], [([0], DONE)]]), reward_is_first_token)
+    steps = train_sync(
+        c,
+        loop=LoopConfig(num_steps=1, save_interval=0),
+        rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1),
+        algorithm=AlgorithmConfig(advantage_estimator="reinforce_plus_plus", advantage_eps=1e-12),
+        evaluation=EvalConfig(num_prompts=0),
+    )
+    # Whitened over the batch: rewards [1, 0], mean 0.5, population std 0.5 -> [+1, -1].
+    assert steps == 1 and c.backend.batches[0].advantages[:, 0].tolist() == pytest.approx([1.0, -1.0], abs=1e-6)
 
 
 def test_overlong_shaping_and_a_reward_post_process_plugin_change_the_advantages(tmp_path, monkeypatch):

@@ -40,6 +40,8 @@ def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
     [
         pytest.param(["--rollout.n-samples-per-prompt", "1"], "needs at least 2", id="group_of_one"),
         pytest.param(["--rollout.global-batch-size", "7"], "not a multiple", id="batch_arithmetic"),
+        pytest.param(["--rollout.sampling.top-p", "0.9"], "rollout.sampling.top_p is 0.9", id="top_p_in_training"),
+        pytest.param(["--rollout.sampling.top-k", "50"], "rollout.sampling.top_k is 50", id="top_k_in_training"),
         pytest.param(
             ["--train.lrr", "1"],
             r"train.lrr \[--train.lrr\]: unknown key; valid keys here: lr, warmup_steps",
@@ -68,6 +70,11 @@ def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
 def test_bad_configs_fail_before_anything_loads_with_the_key_named(overrides, message):
     with pytest.raises(ValueError, match=message):
         resolve_config("smollm2_grpo_arithmetic", overrides)
+
+
+def test_eval_sampling_may_use_top_p_and_top_k():
+    cfg = resolve_config("smollm2_grpo_arithmetic", ["--eval.sampling.top-p", "0.95", "--eval.sampling.top-k", "20"])
+    assert (cfg.eval.sampling.top_p, cfg.eval.sampling.top_k) == (0.95, 20)
 
 
 def test_cli_reports_config_errors_with_exit_code_2(capsys):

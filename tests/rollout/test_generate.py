@@ -48,3 +48,38 @@ def test_an_engine_without_progress_support_works_when_no_callback_is_given():
     samples = rollout([Sample(index=0, group_index=0, prompt=[1, 7])], n_samples_per_prompt=2,
                       sampling=SamplingConfig(), seed=0)  # fmt: skip
     assert [s.response_tokens for s in samples] == [[5, 2], [5, 2]]
+
+
+class RecordingEngine:
+    """Answers every request with [5, 2] and records the requests."""
+
+    weight_version = 0
+
+    def __init__(self):
+        self.requests = []
+
+    def generate(self, requests):
+        self.requests.extend(requests)
+        return [GenerateOutput([5, 2], [-1.0, -1.0], "stop") for _ in requests]
+
+
+class DigitTokenizer:
+    """decode() only: token id k is the text str(k); special tokens (id 2) are skipped when asked."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(str(i) for i in ids if not (skip_special_tokens and i == 2))
+
+
+def test_the_decoded_response_is_the_typed_response_text_field_that_rewards_read():
+    from miles.rollout.generate import ChatRollout
+    from miles.rollout.rewards import extract_answer
+
+    samples = ChatRollout(RecordingEngine(), DigitTokenizer())(
+        [Sample(index=0, group_index=0, prompt=[1, 7])], n_samples_per_prompt=1, sampling=SamplingConfig(), seed=0
+    )
+    assert samples[0].response_text == "5" and "response_text" not in samples[0].metadata
+    assert extract_answer(samples[0].response_text) == "5"
+    token_only = ChatRollout(RecordingEngine(), tokenizer=None)(
+        [Sample(index=0, group_index=0, prompt=[1, 7])], n_samples_per_prompt=1, sampling=SamplingConfig(), seed=0
+    )
+    assert token_only[0].response_text is None  # no tokenizer, no text

@@ -19,7 +19,7 @@ assert "cellpylib" not in sys.modules
 sys.pycache_prefix, sys.dont_write_bytecode = tempfile.mkdtemp(), True
 filters = list(warnings.filters)
 prompt = ReasoningGymSource("basic_arithmetic", size=1, seed=0).next_prompts(1)[0]
-sample = Sample(index=0, group_index=0, prompt="", label=prompt.label, metadata={"response_text": "0"})
+sample = Sample(index=0, group_index=0, prompt="", label=prompt.label, response_text="0")
 assert reasoning_gym_reward(sample) in (0.0, 1.0)
 assert "cellpylib" in sys.modules and warnings.filters == filters
 """

@@ -7,7 +7,7 @@ from miles.rollout.rewards import extract_answer, gold_answer, math_reward, reas
 
 
 def _sample(label, text) -> Sample:
-    return Sample(index=0, group_index=0, prompt="", label=label, metadata={"response_text": text})
+    return Sample(index=0, group_index=0, prompt="", label=label, response_text=text)
 
 
 @pytest.mark.parametrize(
@@ -57,3 +57,11 @@ def test_math_reward_checks_the_final_answer_against_the_gsm8k_label(gsm8k_test_
     first = json.loads(gsm8k_test_file.read_text().splitlines()[0])  # Janet's ducks: #### 18
     assert gold_answer(first["answer"]) == "18"
     assert math_reward(_sample(first["answer"], text)) == expected
+
+
+def test_rewards_score_the_typed_response_text_and_a_sample_without_text_scores_zero(gsm8k_test_file):
+    first = json.loads(gsm8k_test_file.read_text().splitlines()[0])  # Janet's ducks: #### 18
+    assert math_reward(Sample(index=0, group_index=0, prompt="", label=first["answer"], response_text="18")) == 1.0
+    # The text is a typed field, not a metadata key: a metadata entry of that name is not read.
+    stray = Sample(index=0, group_index=0, prompt="", label=first["answer"], metadata={"response_text": "18"})
+    assert math_reward(stray) == 0.0

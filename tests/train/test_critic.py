@@ -51,3 +51,51 @@ def test_policy_and_critic_train_steps_raise_no_view_tensor_warning(tmp_path, ti
     assert metrics["loss/value"] > 0.0
     views = [str(w.message) for w in caught if "view tensor" in str(w.message)]
     assert not views, views
+
+
+def _critic_backend(model_dir, *, lr=1e-3, **train):
+    return FSDP2Backend(
+        model_dir,
+        train=TrainConfig(micro_batch_size=3, **train),
+        algorithm=AlgorithmConfig(advantage_estimator="gae", critic_path=str(model_dir), critic_lr=lr),
+        temperature=1.0,
+        max_new_tokens=8,
+        critic_path=model_dir,
+    )
+
+
+def _critic_batch(backend, *, returns_offset=1.0):
+    batch = make_batch()
+    values = backend.critic.compute_values(batch)
+    return batch.replace(values=values, returns=values + returns_offset)
+
+
+def test_the_critic_warms_its_learning_rate_up_like_the_policy(tiny_llama_dir):
+    # warmup 4, critic_lr 1e-3: step k uses 1e-3 * min(1, (k + 1) / 4) -> 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3.
+    backend = _critic_backend(tiny_llama_dir, warmup_steps=4)
+    assert backend.critic.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4)
+    lrs = []
+    for _ in range(4):
+        batch = _critic_batch(backend)
+        lrs.append(backend.critic.train_step(batch, num_tokens=batch.num_loss_tokens)["critic_lr"])
+    assert lrs == pytest.approx([5e-4, 7.5e-4, 1e-3, 1e-3])  # as the policy's "lr": the LR of the next step
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_nonfinite_critic_step_is_skipped_and_counted_or_stops_the_run(tiny_llama_dir, bad):
+    from miles.train.fsdp2.state import full_model_state
+
+    skipping = _critic_backend(tiny_llama_dir)
+    before = {k: v.clone() for k, v in full_model_state(skipping.critic.model).items()}
+    batch = _critic_batch(skipping, returns_offset=bad)
+    metrics = skipping.critic.train_step(batch, num_tokens=batch.num_loss_tokens)
+    assert metrics["critic_skipped_steps"] == 1.0 and metrics["critic_lr"] == pytest.approx(1e-3)
+    assert all(torch.equal(before[k], v) for k, v in full_model_state(skipping.critic.model).items())
+    assert all(p.grad is None for p in skipping.critic.model.parameters())
+    good = _critic_batch(skipping)
+    assert skipping.critic.train_step(good, num_tokens=good.num_loss_tokens)["critic_skipped_steps"] == 1.0
+
+    stopping = _critic_backend(tiny_llama_dir, skip_nonfinite_steps=False)
+    batch = _critic_batch(stopping, returns_offset=bad)
+    with pytest.raises(FloatingPointError, match=r"critic loss is .*algorithm.critic_lr.*skip-nonfinite-steps true"):
+        stopping.critic.train_step(batch, num_tokens=batch.num_loss_tokens)

@@ -1,3 +1,5 @@
+from typing import get_args
+
 import pytest
 import torch
 from miles.core.algorithms.losses import (
@@ -11,6 +13,7 @@ from miles.core.algorithms.losses import (
     sft_loss,
     value_loss,
 )
+from miles.core.config import PolicyLoss
 
 
 def test_ppo_clip_loss_and_gradient_match_hand_values_on_a_2x3_example():
@@ -292,3 +295,81 @@ def test_a_custom_reducer_replaces_the_aggregation():
 def test_unknown_policy_loss_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown policy loss 'dpo'"):
         _one_token_policy_loss(torch.zeros(1, 1), loss="dpo")
+
+
+# Two rows, mask [[1, 1, 0], [1, 0, 0]]: the masked slots hold finite placeholders in the clean case.
+MASK = torch.tensor([[True, True, False], [True, False, False]])
+CLEAN = {
+    "log_probs": torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.0, -1.5]]),
+    "old_log_probs": torch.tensor([[-1.2, -0.5, -1.0], [-0.1, -0.7, -0.2]]),
+    "advantages": torch.tensor([[1.0, 1.0, 3.0], [-2.0, 0.5, -1.0]]),
+    "ref_log_probs": torch.tensor([[-1.1, -0.7, -0.4], [-0.2, -0.9, -0.6]]),
+}
+
+
+def _loss_and_grad(loss_name, inputs):
+    log_probs = inputs["log_probs"].clone().requires_grad_(True)
+    loss, _ = policy_loss(
+        log_probs,
+        inputs["old_log_probs"],
+        inputs["advantages"],
+        MASK,
+        params=LossParams(clip_low=0.2, clip_high=0.28),
+        aggregation="seq_mean_token_mean",
+        num_tokens=3,
+        num_sequences=2,
+        loss=loss_name,
+        ref_log_probs=inputs["ref_log_probs"],
+        kl_coef=0.1,
+    )
+    loss.backward()
+    return loss.detach(), log_probs.grad
+
+
+@pytest.mark.parametrize("loss_name", get_args(PolicyLoss))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "minus_inf"])
+@pytest.mark.parametrize("where", [*CLEAN, "all"])
+def test_nan_or_inf_at_masked_slots_leaves_the_loss_and_gradient_of_every_registered_loss_unchanged(
+    loss_name, bad, where
+):
+    # Selection, not multiplication: 0 * d(loss)/dx is NaN where x is NaN/inf, so one bad masked slot would poison
+    # every parameter's gradient (cispo's -w * A * log_probs, ppo's and gspo's exp(log_ratio), k3's exp).
+    dirty = {name: t.clone() for name, t in CLEAN.items()}
+    for name in CLEAN if where == "all" else [where]:
+        dirty[name][~MASK] = bad
+    clean_loss, clean_grad = _loss_and_grad(loss_name, CLEAN)
+    loss, grad = _loss_and_grad(loss_name, dirty)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all(), (loss, grad)
+    torch.testing.assert_close(loss, clean_loss, atol=0, rtol=0)
+    torch.testing.assert_close(grad, clean_grad, atol=0, rtol=0)
+    assert torch.equal(grad[~MASK], torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    "loss_name, expected_loss, expected_grad",
+    [
+        # One trained token: log_prob -1, old -1.1 (r = e^0.1 = 1.10517, inside [0.8, 1.28]), A = 2.
+        pytest.param("ppo", -2.21034, -2.21034, id="ppo_-rA_grad_-rA"),
+        pytest.param("gspo", -2.21034, -2.21034, id="gspo_one_token_s_equals_r"),
+        pytest.param("cispo", 2.21034, -2.21034, id="cispo_-wA*logp_grad_-wA"),
+        pytest.param("sft", 1.0, -1.0, id="sft_-logp"),
+    ],
+)
+def test_a_nan_masked_slot_keeps_each_loss_at_its_hand_computed_value(loss_name, expected_loss, expected_grad):
+    nan = float("nan")
+    log_probs = torch.tensor([[-1.0, nan]], requires_grad=True)
+    loss, _ = policy_loss(
+        log_probs,
+        torch.tensor([[-1.1, nan]]),
+        torch.tensor([[2.0, nan]]),
+        torch.tensor([[True, False]]),
+        params=LossParams(clip_low=0.2, clip_high=0.28),
+        aggregation="token_mean",
+        num_tokens=1,
+        num_sequences=1,
+        loss=loss_name,
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-5)
+    assert log_probs.grad[0, 0].item() == pytest.approx(expected_grad, abs=1e-5)
+    assert log_probs.grad[0, 1].item() == 0.0

@@ -1,6 +1,11 @@
 import pytest
 import torch
-from miles.core.algorithms.masking import overlong_filter_keep, overlong_penalty, response_mask
+from miles.core.algorithms.masking import (
+    has_trainable_tokens,
+    overlong_filter_keep,
+    overlong_penalty,
+    response_mask,
+)
 from miles.core.batch import build_train_batch
 from miles.core.sample import Sample, SampleStatus
 
@@ -39,3 +44,15 @@ def test_overlong_filter_decides_by_finish_reason_not_by_the_last_token():
 
 def test_response_mask_covers_each_response():
     assert response_mask(torch.tensor([2, 0]), 3).tolist() == [[True, True, False], [False, False, False]]
+
+
+def test_samples_without_a_trainable_token_of_their_own_are_recognized():
+    samples = [
+        Sample(0, 0, "", tokens=[1, 5, 6], response_length=2),  # no loss mask: all trained
+        Sample(1, 0, "", tokens=[1, 5, 6], response_length=2, loss_mask=[0, 1]),  # a tool token, then a trained one
+        Sample(2, 0, "", tokens=[1, 5, 6], response_length=2, loss_mask=[0, 0]),  # only tool tokens
+        Sample(3, 0, "", tokens=[1], response_length=0),  # empty response
+        # Truncated: the overlong filter is decided separately, it still has trainable tokens of its own.
+        Sample(4, 0, "", tokens=[1, 5], response_length=1, status=SampleStatus.TRUNCATED),
+    ]
+    assert has_trainable_tokens(samples) == [True, True, False, False, True]

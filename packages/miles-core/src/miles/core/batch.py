@@ -103,6 +103,7 @@ def build_train_batch(
     Args:
         samples: B samples with ``tokens`` and ``response_length`` set.
         advantages: [B] float32 (one per sample) or [B, T] float32 (per token, e.g. GAE); T >= longest response.
+            Any value (NaN/inf included) where the result's ``loss_mask`` is False: those slots become exactly 0.
         pad_token_id: id used to right-pad ``tokens``.
         trained: per sample, False excludes it from the loss (e.g. a failed reward); default all True.
     Returns: the packed batch; ``loss_mask`` is ``sample.loss_mask`` (or all ones) AND ``trained``.
@@ -146,7 +147,8 @@ def build_train_batch(
         advantages = advantages[:, None].expand(num, resp_len)
     else:
         advantages = advantages[:, :resp_len]
-    advantages = advantages * loss_mask
+    # Selection, not multiplication: NaN * 0 is NaN, and a masked slot (padding, an untrained sample) must hold 0.
+    advantages = torch.where(loss_mask, advantages, torch.zeros((), dtype=torch.float32))
     rewards = torch.tensor([_scalar_reward(s) if t else 0.0 for s, t in zip(samples, trained)], dtype=torch.float32)
     return TrainBatch(
         tokens=tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from miles.core.algorithms.advantages import GROUP_BASELINE_ESTIMATORS
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -13,11 +14,27 @@ class _Section(BaseModel):
 
 
 class SamplingConfig(_Section):
-    """How the engine samples; the trainer scores tokens under the same temperature."""
+    """How the engine samples; the trainer scores tokens under the same temperature.
+
+    Engines and the trainer report log-probs of the untruncated softmax(logits / temperature), so training
+    rollouts (``rollout.sampling``) must sample from it: top_p 1.0 and top_k 0 there (``RolloutConfig`` refuses
+    others). Evaluation (``eval.sampling``) may truncate freely: its log-probs are never trained on.
+    """
 
     temperature: float = Field(1.0, gt=0.0, description="Softmax temperature; log-probs use logits / temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 disables it.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables it.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling mass; 1.0 (the default) disables it. eval.sampling only: rollout.sampling "
+        "must keep 1.0, since engine and trainer log-probs are those of the untruncated distribution.",
+    )
+    top_k: int = Field(
+        0,
+        ge=0,
+        description="Keep the k most likely tokens; 0 (the default) disables it. eval.sampling only: "
+        "rollout.sampling must keep 0, since engine and trainer log-probs are those of the untruncated distribution.",
+    )
     max_new_tokens: int = Field(48, ge=1, description="Response length limit in tokens; hitting it = truncated.")
 
 
@@ -34,7 +51,12 @@ class RolloutConfig(_Section):
         description="Samples per optimizer step; 0 means all samples of a rollout (one optimizer step per rollout). "
         "Must divide rollout_batch_size * n_samples_per_prompt.",
     )
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling for training rollouts.")
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig,
+        description="Sampling for training rollouts: temperature and max_new_tokens; top_p must stay 1.0 and top_k "
+        "0, because the trainer's and the engine's log-probs are those of the untruncated distribution, so a "
+        "truncated sampler would make the PPO ratio and the TIS/MIS corrections compare different distributions.",
+    )
     mode: Literal["generate", "sft"] = Field(
         "generate",
         description="generate: the engine samples the responses (RL); sft: the response is the data's reference "
@@ -52,7 +74,18 @@ class RolloutConfig(_Section):
         return self.samples_per_rollout // gbs
 
     @model_validator(mode="after")
-    def _check_batch_arithmetic(self) -> RolloutConfig:
+    def _check(self) -> RolloutConfig:
+        for key, value, off, flag in (
+            ("top_p", self.sampling.top_p, 1.0, "--rollout.sampling.top-p 1.0"),
+            ("top_k", self.sampling.top_k, 0, "--rollout.sampling.top-k 0"),
+        ):
+            if value != off:
+                raise ValueError(
+                    f"rollout.sampling.{key} is {value}, but training rollouts must sample the full distribution: "
+                    "the engine and the trainer report log-probs of the untruncated softmax(logits / temperature), so "
+                    "the PPO ratio and the TIS/MIS corrections would compare log-probs of different distributions. "
+                    f"Set {flag} (truncated sampling is fine for evaluation: --eval.sampling.{key.replace('_', '-')})."
+                )
         gbs = self.global_batch_size or self.samples_per_rollout
         if self.samples_per_rollout % gbs:
             raise ValueError(
@@ -296,3 +329,27 @@ class LoopConfig(_Section):
         "the one `latest` names always stays); 0 keeps all. 2 (the default) still leaves a complete previous "
         "checkpoint while the next one is written.",
     )
+
+
+def check_group_size(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:
+    """Refuse algorithms that need groups of at least two samples per prompt when ``rollout`` gives one.
+
+    A rule across two sections: the root config (``miles.recipes.config``) applies it at validation, and
+    ``train_sync`` again at its start, for loops driven from a user script.
+    Raises: ValueError naming the key, the value, why nothing would be learned and the fix.
+    """
+    n, estimator = rollout.n_samples_per_prompt, algorithm.advantage_estimator
+    group_baseline = estimator in GROUP_BASELINE_ESTIMATORS and not algorithm.advantage_estimator_path
+    if group_baseline and algorithm.policy_loss != "sft" and n < 2:
+        raise ValueError(
+            f"rollout.n_samples_per_prompt is {n}, but advantage '{estimator}' needs at least 2: its baseline "
+            "is the group (the mean of the prompt's samples), so a group of one always gets advantage 0 and "
+            "nothing is learned. Set --rollout.n-samples-per-prompt 4 (or more), or pick an estimator without "
+            "a group baseline (--algorithm.advantage-estimator reinforce_plus_plus or gae)."
+        )
+    if algorithm.dynamic_sampling and n < 2:
+        raise ValueError(
+            f"algorithm.dynamic_sampling is on with rollout.n_samples_per_prompt {n}: a group of one never "
+            "has reward variance, so every group would be filtered. Set --rollout.n-samples-per-prompt 4 (or "
+            "more), or --algorithm.dynamic-sampling false."
+        )

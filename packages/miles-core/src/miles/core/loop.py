@@ -17,9 +17,14 @@ from miles.core.algorithms.advantages import (
     AdvantageParams,
     compute_advantages,
 )
-from miles.core.algorithms.masking import overlong_filter_keep, overlong_penalty, response_mask
+from miles.core.algorithms.masking import (
+    has_trainable_tokens,
+    overlong_filter_keep,
+    overlong_penalty,
+    response_mask,
+)
 from miles.core.batch import TrainBatch, build_train_batch
-from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
+from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
 from miles.core.logs import warn_once
 from miles.core.plugins import load_plugin
 from miles.core.protocols import (
@@ -73,7 +78,10 @@ def train_sync(
     Checkpoints are saved every ``loop.save_interval`` steps, after the last, and after the step during which
     ``components.should_stop()`` became True; the run then ends there (without the final eval).
     Returns: the number of completed steps (``loop.num_steps`` unless stopped early).
+    Raises: ValueError before anything runs if ``algorithm`` needs groups of >= 2 samples and ``rollout`` has one
+        (``check_group_size``, the rule the root config also applies).
     """
+    check_group_size(rollout, algorithm)
     c = components
     if evaluation.num_prompts and c.eval_prompts and start_step == 0:
         c.sink.log(evaluate(c, evaluation), step=0)
@@ -103,15 +111,18 @@ def run_step(c: Components, *, step: int, rollout: RolloutConfig, algorithm: Alg
     t0 = time.perf_counter()
     samples, num_failed, filter_metrics = collect_samples(c, step=step, rollout=rollout, algorithm=algorithm)
     t_rollout = time.perf_counter() - t0
-    valid = [s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples]
-    if not any(valid):
+    scored = [s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples]
+    if not any(scored):
         reasons = {s.metadata.get("failure", s.status.value) for s in samples}
         raise RuntimeError(f"step {step}: all {len(samples)} samples failed; reasons: {sorted(reasons)[:5]}")
-    scores = torch.tensor([s.reward if v else 0.0 for s, v in zip(samples, valid)], dtype=torch.float32)
+    scores = torch.tensor([s.reward if v else 0.0 for s, v in zip(samples, scored)], dtype=torch.float32)
     rewards = shape_rewards(samples, scores, rollout=rollout, algorithm=algorithm)
-    trained = valid
+    # Valid = enters the group statistics of the advantages (see AdvantageInputs.valid): scored and with a
+    # trainable token of its own, so that a sample of only tool tokens does not shift its siblings' advantages.
+    valid = [v and t for v, t in zip(scored, has_trainable_tokens(samples))]
+    trained = scored
     if algorithm.overlong_filter:  # truncated samples stay in their group's statistics but are not trained
-        trained = [v and keep for v, keep in zip(valid, overlong_filter_keep(samples))]
+        trained = [v and keep for v, keep in zip(scored, overlong_filter_keep(samples))]
     valid_t = torch.tensor(valid)
     batch = build_train_batch(samples, torch.zeros(len(samples)), pad_token_id=PAD_TOKEN_ID, trained=trained)
     estimator = algorithm.advantage_estimator
@@ -149,11 +160,11 @@ def run_step(c: Components, *, step: int, rollout: RolloutConfig, algorithm: Alg
     version = c.weight_pusher.push(c.backend.export_weights())
     t_sync = time.perf_counter() - t2
 
-    metrics = rollout_metrics(samples, scores[valid_t])
+    metrics = rollout_metrics(samples, scores[torch.tensor(scored)])
     metrics.update(filter_metrics)
     metrics["groups/no_signal_ratio"] = no_signal_ratio(rewards, inputs.group_index, valid_t)
     if metrics["groups/no_signal_ratio"] == 1.0:
-        warn_once(logger, NO_SIGNAL_WARNING, step, int(inputs.group_index.unique().numel()), metrics["reward/mean"])
+        warn_once(logger, NO_SIGNAL_WARNING, step + 1, int(inputs.group_index.unique().numel()), metrics["reward/mean"])
     num_response_tokens = sum(s.response_length for s in samples)
     num_tokens = sum(len(s.tokens) for s in samples)
     metrics.update(train_metrics)
@@ -276,7 +287,8 @@ def no_signal_ratio(rewards: torch.Tensor, group_index: torch.Tensor, valid: tor
     Args:
         rewards: [B] float32, shaped rewards (what the advantages see); any value where not valid.
         group_index: [B] int64, the prompt each sample answers.
-        valid: [B] bool, False for FAILED/ABORTED samples (left out of the comparison).
+        valid: [B] bool, ``AdvantageInputs.valid``: False for FAILED/ABORTED samples and samples without a
+            trainable token (left out of the comparison).
     Returns: groups without signal / groups, in [0, 1].
     """
     groups = group_index.unique()

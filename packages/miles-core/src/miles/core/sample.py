@@ -38,6 +38,9 @@ class Sample:
         weight_version: version of the weights the engine generated this sample with.
         rollout_routed_experts: MoE experts chosen at rollout, for routing replay (R3); None for dense models.
         teacher_log_probs: per response token, from a teacher model (on-policy distillation); else None.
+        response_text: the response decoded by the policy's tokenizer (special tokens skipped), what rewards
+            score; set by the rollout function, None before generation, for a failed sample and for token-only
+            rollouts (no tokenizer).
         metadata: free-form extras (task entry, failure reason, ...).
     """
 
@@ -54,6 +57,7 @@ class Sample:
     weight_version: int = 0
     rollout_routed_experts: Any = None
     teacher_log_probs: list[float] | None = None
+    response_text: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

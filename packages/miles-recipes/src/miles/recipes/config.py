@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miles.core.algorithms.advantages import GROUP_BASELINE_ESTIMATORS
-from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
+from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
 from miles.recipes.registry import MODELS
 from miles.rollout.config import DataConfig, EngineConfig, RewardConfig
 from miles.train.config import TrainConfig
@@ -75,22 +74,8 @@ class MilesConfig(BaseModel):
 
     def _check_algorithm(self) -> None:
         """Refuse algorithm settings that would silently do nothing with this rollout shape."""
-        algorithm, n = self.algorithm, self.rollout.n_samples_per_prompt
-        estimator = algorithm.advantage_estimator
-        group_baseline = estimator in GROUP_BASELINE_ESTIMATORS and not algorithm.advantage_estimator_path
-        if group_baseline and algorithm.policy_loss != "sft" and n < 2:
-            raise ValueError(
-                f"rollout.n_samples_per_prompt is {n}, but advantage '{estimator}' needs at least 2: its baseline "
-                "is the group (the mean of the prompt's samples), so a group of one always gets advantage 0 and "
-                "nothing is learned. Set --rollout.n-samples-per-prompt 4 (or more), or pick an estimator without "
-                "a group baseline (--algorithm.advantage-estimator reinforce_plus_plus or gae)."
-            )
-        if algorithm.dynamic_sampling and n < 2:
-            raise ValueError(
-                f"algorithm.dynamic_sampling is on with rollout.n_samples_per_prompt {n}: a group of one never "
-                "has reward variance, so every group would be filtered. Set --rollout.n-samples-per-prompt 4 (or "
-                "more), or --algorithm.dynamic-sampling false."
-            )
+        algorithm = self.algorithm
+        check_group_size(self.rollout, algorithm)  # group baselines and dynamic sampling need n >= 2
         if (self.rollout.mode == "sft") != (algorithm.policy_loss == "sft"):
             raise ValueError(
                 f"rollout.mode is {self.rollout.mode!r} but algorithm.policy_loss is {algorithm.policy_loss!r}: "

@@ -123,7 +123,5 @@ class ChatRollout:
                 sample.metadata["failure"] = failure
                 continue
             if self.tokenizer is not None:  # token-only rollouts (tokenizer=None) have no text
-                sample.metadata["response_text"] = self.tokenizer.decode(
-                    output.response_tokens, skip_special_tokens=True
-                )
+                sample.response_text = self.tokenizer.decode(output.response_tokens, skip_special_tokens=True)
         return samples

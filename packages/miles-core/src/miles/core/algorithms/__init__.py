@@ -25,7 +25,7 @@ from miles.core.algorithms.losses import (
     sft_loss,
     value_loss,
 )
-from miles.core.algorithms.masking import overlong_filter_keep, overlong_penalty
+from miles.core.algorithms.masking import has_trainable_tokens, overlong_filter_keep, overlong_penalty
 
 __all__ = [
     "AdvantageInputs",
@@ -40,6 +40,7 @@ __all__ = [
     "group_mean_std",
     "grpo_advantages",
     "gspo_loss",
+    "has_trainable_tokens",
     "importance_weights",
     "kl_estimate",
     "off_policy_sequence_mask",

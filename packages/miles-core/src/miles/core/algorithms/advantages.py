@@ -28,8 +28,13 @@ class AdvantageInputs:
     Attributes:
         rewards: [B] float32 scalar rewards (after reward post-processing); any value where not ``valid``.
         group_index: [B] int64, the prompt of each sample.
-        valid: [B] bool, False for failed samples: they enter no group/batch statistic and get advantage 0.
-        loss_mask: [B, T] bool, True = trained token.
+        valid: [B] bool, True for the samples that enter the group/batch statistics (group mean/std, leave-one-out
+            baseline, whitening); the others get advantage 0. The loop's rule (``run_step``): a sample is valid iff
+            it was not FAILED/ABORTED and has at least one trainable token of its own (``has_trainable_tokens``):
+            a sample with an all-0 loss mask (e.g. a response of only tool tokens) must not shift its siblings'
+            advantages. A sample untrained only because of DAPO's overlong filter stays valid: truncated samples
+            keep counting in their group's statistics (arXiv:2503.14476 Sec. 3.4), only their ``loss_mask`` is 0.
+        loss_mask: [B, T] bool, True = trained token (overlong-filtered samples: all False, yet valid).
         response_mask: [B, T] bool, True for every response column t < response_length (tool tokens included).
         old_log_probs: [B, T] float32 nats of the sampling-time policy (trainer recompute); None if not computed.
         ref_log_probs: [B, T] float32 nats under the reference model; None without one.

@@ -15,13 +15,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from miles.core.algorithms.ratios import LOG_RATIO_CLAMP
 from torch import Tensor
 
 ImportanceMode = Literal["tis", "mis", "icepop"]
 ImportanceLevel = Literal["token", "sequence", "geometric"]
-
-# exp() of a summed sequence log-ratio overflows float32 past ~88; e^20 is far outside any sane cap.
-LOG_RATIO_CLAMP = 20.0
 
 
 def importance_weights(

@@ -11,12 +11,10 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from miles.core.algorithms.ratios import LOG_RATIO_CLAMP
 from torch import Tensor
 
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
-
-# exp() of a log-ratio above this overflows float32 gradients; k3 clamps the log-ratio (low-variance variant).
-LOG_RATIO_CLAMP = 20.0
 # low_var_kl caps each per-token k3 term here (verl, core_algos.kl_penalty): one outlier token cannot dominate.
 LOW_VAR_KL_CLAMP = 10.0
 
@@ -41,7 +39,7 @@ def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, *, estimator: KLEstima
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     if estimator in ("k3", "low_var_kl"):
-        log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # keeps exp() and its gradient finite
         k3 = torch.exp(log_ratio) - log_ratio - 1.0
         return k3 if estimator == "k3" else k3.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
     raise ValueError(f"unknown KL estimator {estimator!r}; choose one of 'k1', 'k2', 'k3', 'low_var_kl'")

@@ -5,6 +5,12 @@ clipped)`` with [B, T] tensors; ``_POLICY_LOSSES`` is the only place a loss name
 ``module:attr`` with that signature. Aggregation takes the *global* denominators (tokens or sequences of the whole
 global batch, over all micro-batches and ranks) as arguments, so that summing micro-batch losses equals the loss of
 one big batch.
+
+Masked positions (padding, tool tokens, filtered samples) are removed by selection (``torch.where``), never by
+multiplying with the mask: ``0 * x`` is NaN for x = NaN/inf, and in the backward pass the chain rule multiplies the
+zero gradient of a masked slot by the local derivative there, so one NaN/inf input at a masked slot would make the
+gradient of every parameter NaN. ``policy_loss`` therefore hands every loss (built-in or custom) 0 at the masked
+slots of its per-token inputs.
 """
 
 from __future__ import annotations
@@ -14,12 +20,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from miles.core.algorithms.ratios import LOG_RATIO_CLAMP
 from torch import Tensor
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
-
-# exp() of larger log-ratios overflows; a ratio of e^20 is clipped by PPO anyway.
-LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,17 @@ def _check_shapes(*tensors: Tensor) -> None:
         )
 
 
+def zero_masked(values: Tensor, loss_mask: Tensor) -> Tensor:
+    """``values`` with 0 at masked positions, by selection: NaN/inf there become 0 and get an exact 0 gradient.
+
+    Args:
+        values: [B, T] float, any value (NaN/inf included) at masked positions; may carry grad.
+        loss_mask: [B, T] bool, True = kept.
+    Returns: [B, T], the dtype of ``values``.
+    """
+    return torch.where(loss_mask, values, torch.zeros((), dtype=values.dtype))
+
+
 def ppo_clip(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -70,7 +85,8 @@ def ppo_clip(
     Args:
         log_probs: [B, T] float32 nats, log pi_theta of the sampled tokens; carries grad.
         old_log_probs: [B, T] float32 nats, the same tokens before this update; no grad.
-        advantages: [B, T] float32, one value per token, 0 at masked positions.
+        advantages: [B, T] float32, one value per token.
+            All three must be finite at masked positions (``policy_loss`` puts 0 there): the loss is unmasked.
         clip_low: lower clip, ratio >= 1 - clip_low.
         clip_high: upper clip, ratio <= 1 + clip_high (> clip_low = DAPO clip-higher).
         dual_clip_c: the dual-clip constant c (> 1, typically 3); 0 disables.
@@ -108,17 +124,21 @@ def gspo_loss(
     Args:
         log_probs: [B, T] float32 nats; carries grad.
         old_log_probs: [B, T] float32 nats; no grad.
-        advantages: [B, T] float32, the sequence advantage on each of its tokens, 0 at masked positions.
-        loss_mask: [B, T] bool; only masked-in tokens enter s_i.
+        advantages: [B, T] float32, the sequence advantage on each of its tokens; any value at masked positions.
+        loss_mask: [B, T] bool; only masked-in tokens enter s_i, and masked positions get loss and gradient 0
+            (selected away, so NaN/inf there is harmless).
         clip_low, clip_high: clip of s_i (the paper uses 3e-4 and 4e-4).
     Returns: token_loss [B, T] float32; clipped [B, T] bool (the whole sequence when s_i is clipped).
     References: GSPO, Zheng et al. arXiv:2507.18071 Eq. 5-7, 13.
     """
     _check_shapes(log_probs, old_log_probs, advantages, loss_mask)
-    log_ratio = torch.where(loss_mask, log_probs.float() - old_log_probs.float(), 0.0)
+    # Selection first: a NaN/inf log-prob at a masked slot must reach neither s_i nor the gradient.
+    log_probs = zero_masked(log_probs.float(), loss_mask)
+    log_ratio = torch.where(loss_mask, log_probs - old_log_probs.float(), 0.0)
     seq_log_ratio = log_ratio.sum(dim=-1, keepdim=True) / loss_mask.sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
     seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    token_log_ratio = seq_log_ratio.detach() + log_probs.float() - log_probs.float().detach()  # value: seq ratio
+    token_log_ratio = seq_log_ratio.detach() + log_probs - log_probs.detach()  # value: seq ratio
+    advantages = zero_masked(advantages, loss_mask)
     return _clipped_surrogate(torch.exp(token_log_ratio), advantages, clip_low=clip_low, clip_high=clip_high)
 
 
@@ -132,7 +152,9 @@ def cispo_loss(
     Args:
         log_probs: [B, T] float32 nats; carries grad.
         old_log_probs: [B, T] float32 nats; no grad.
-        advantages: [B, T] float32, 0 at masked positions.
+        advantages: [B, T] float32.
+            All three must be finite at masked positions (``policy_loss`` puts 0 there): the loss is unmasked, and
+            a NaN/inf weight, advantage or log-prob there would make its gradient NaN.
         clip_low, clip_high: bounds of the IS weight (MiniMax-M1 effectively has no lower bound: clip_low ~1).
     Returns: token_loss [B, T] float32; clipped [B, T] bool where the weight was clipped.
     References: MiniMax-M1 arXiv:2506.13585 Eq. 4-5.
@@ -293,8 +315,9 @@ def policy_loss(
     Args:
         log_probs: [B, T] float32 nats, current policy; carries grad.
         old_log_probs: [B, T] float32 nats; no grad.
-        advantages: [B, T] float32, 0 at masked positions.
-        loss_mask: [B, T] bool.
+        advantages: [B, T] float32.
+        loss_mask: [B, T] bool. Every per-token input may hold any value (NaN/inf included) at masked positions:
+            it is replaced by 0 there by selection, so masked slots add exactly 0 to the loss and every gradient.
         params: clip bounds and dual-clip constant (see ``LossParams``).
         aggregation, num_tokens, num_sequences, normalizer: see ``aggregate``; counts are of the global batch.
         loss: a registered policy loss name (ppo, gspo, cispo, sft) or a custom ``PolicyLossFn``.
@@ -326,6 +349,15 @@ def policy_loss(
         )
 
     loss_fn = get_policy_loss(loss) if isinstance(loss, str) else loss
+    # Selection, not multiplication (see the module docstring): every per-token input is 0 at masked slots, so a
+    # NaN/inf there (padding, a filtered sample) changes neither the loss nor any gradient.
+    log_probs, old_log_probs, advantages = (zero_masked(t, loss_mask) for t in (log_probs, old_log_probs, advantages))
+    if ref_log_probs is not None:
+        ref_log_probs = zero_masked(ref_log_probs, loss_mask)
+    if token_weights is not None:
+        token_weights = zero_masked(token_weights, loss_mask)
+    if entropy is not None:
+        entropy = zero_masked(entropy, loss_mask)
     pg_token, clipped = loss_fn(log_probs, old_log_probs, advantages, loss_mask, params)
     if token_weights is not None:
         pg_token = pg_token * token_weights.detach()

@@ -41,6 +41,16 @@ def overlong_filter_keep(samples: Sequence[Sample]) -> list[bool]:
     return [s.status != SampleStatus.TRUNCATED for s in samples]
 
 
+def has_trainable_tokens(samples: Sequence[Sample]) -> list[bool]:
+    """True for samples with at least one trainable response token of their own (``sample.loss_mask`` not all 0).
+
+    False for an empty response and for one whose loss mask is all 0, e.g. a turn of only tool/environment tokens.
+    Such a sample cannot be trained and, having no trainable token, leaves every group/batch statistic of the
+    advantages (``AdvantageInputs.valid``). The overlong filter is not such a reason: it is decided separately.
+    """
+    return [s.response_length > 0 and (s.loss_mask is None or any(s.loss_mask)) for s in samples]
+
+
 def response_mask(response_lengths: Tensor, num_columns: int) -> Tensor:
     """[B, T] bool, True at response columns t < response_lengths[b] (tool tokens included)."""
     return torch.arange(num_columns)[None, :] < response_lengths[:, None]

@@ -25,7 +25,7 @@ def math_reward(sample: Sample) -> float:
     if not isinstance(sample.label, str):
         raise ValueError(f"sample {sample.index}: math reward needs a string label, got {type(sample.label).__name__}")
     gold = parse(f"${gold_answer(sample.label)}$")
-    response = sample.metadata.get("response_text", "")
+    response = sample.response_text or ""
     predicted = parse(response)
     if not predicted:
         return 0.0

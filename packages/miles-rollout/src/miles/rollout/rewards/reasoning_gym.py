@@ -37,7 +37,7 @@ def reasoning_gym_reward(sample: Sample) -> float:
     entry = sample.label
     if not isinstance(entry, dict) or "metadata" not in entry:
         raise ValueError(f"sample {sample.index}: label is not a reasoning-gym entry (got {type(entry).__name__})")
-    answer = extract_answer(sample.metadata.get("response_text", ""))
+    answer = extract_answer(sample.response_text or "")
     if answer is None:
         return 0.0
     score_fn = import_reasoning_gym().get_score_answer_fn(entry["metadata"]["source_dataset"])

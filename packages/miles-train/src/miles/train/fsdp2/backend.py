@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from miles.core.config import AlgorithmConfig
 from miles.core.log_probs import model_response_log_probs, warn_if_slow_bf16
 from miles.core.plugins import load_plugin
 from miles.train.config import TrainConfig
+from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from miles.train.fsdp2.state import full_model_state, gather_module_state, load_module, write_weights
 from torch import Tensor
 
@@ -82,10 +82,7 @@ class FSDP2Backend:
             eps=train.adam_eps,
             weight_decay=train.weight_decay,
         )
-        warmup = train.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-        )
+        self.scheduler = warmup_schedule(self.optimizer, warmup_steps=train.warmup_steps)
         self.ref_model = None
         if algorithm.kl_coef > 0.0:  # reference = frozen initial policy, unsharded, no grad
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=PARAM_DTYPES[train.dtype]).eval()
@@ -108,6 +105,8 @@ class FSDP2Backend:
                 value_clip=algorithm.value_clip,
                 micro_batch_size=train.micro_batch_size,
                 grad_clip=train.grad_clip,
+                warmup_steps=train.warmup_steps,
+                skip_nonfinite_steps=train.skip_nonfinite_steps,
             )
         self.loss_fn = (
             load_plugin(algorithm.policy_loss_path, key="algorithm.policy_loss_path", num_positional=5)
@@ -299,24 +298,18 @@ class FSDP2Backend:
 
         Returns: grad_norm (before clipping), lr, skipped_steps.
         """
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        finite = math.isfinite(grad_norm) and math.isfinite(loss)
-        if finite:
-            self.optimizer.step()
-            self.scheduler.step()
-        elif self.train_cfg.skip_nonfinite_steps:
-            self.num_skipped_steps += 1
-            logger.warning("step %d: non-finite loss/grad norm (%s), optimizer step skipped", self.step, grad_norm)
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(
-                f"step {self.step}: loss is {loss} and grad norm {grad_norm}; applying it would turn the weights into "
-                "NaN, so the run stops (train.skip_nonfinite_steps is false). Usual causes: a too high train.lr, "
-                "bf16 overflow, or NaN rewards/advantages. Lower --train.lr, use --train.dtype fp32, or set "
-                "--train.skip-nonfinite-steps true to skip such steps and continue."
-            )
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, applied = guarded_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            loss=loss,
+            grad_clip=self.train_cfg.grad_clip,
+            skip_nonfinite=self.train_cfg.skip_nonfinite_steps,
+            step=self.step,
+            what="policy",
+            lr_key="train.lr",
+        )
+        self.num_skipped_steps += not applied
         self.step += 1
         return {
             "grad_norm": grad_norm,
@@ -348,7 +341,8 @@ class FSDP2Backend:
 
     def save(self, path: Path) -> None:
         """Write ``model/`` (HF directory: config, safetensors) + ``optimizer.pt`` + ``trainer_state.json``, and
-        ``critic/`` (safetensors + optimizer) when a critic is held. Collective; rank 0 writes.
+        ``critic/`` (safetensors + ``optimizer.pt``: optimizer, LR schedule, skipped steps) when a critic is held.
+        Collective; rank 0 writes.
 
         ``path`` should be a fresh temporary directory; the caller publishes it by an atomic rename.
         Raises: FloatingPointError if any weight is NaN/inf (nothing is written).
@@ -369,7 +363,14 @@ class FSDP2Backend:
         torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, path / "optimizer.pt")
         if critic is not None:
             write_weights(critic[0], path / "critic" / "model.safetensors")
-            torch.save({"optimizer": critic[1]}, path / "critic" / "optimizer.pt")
+            torch.save(
+                {
+                    "optimizer": critic[1],
+                    "scheduler": self.critic.scheduler.state_dict(),
+                    "skipped_steps": self.critic.num_skipped_steps,
+                },
+                path / "critic" / "optimizer.pt",
+            )
         (path / "trainer_state.json").write_text(
             json.dumps({"step": self.step, "skipped_steps": self.num_skipped_steps}, indent=2)
         )
@@ -377,9 +378,13 @@ class FSDP2Backend:
     def load(self, path: Path) -> None:
         """Restore model, optimizer, scheduler, step (and the critic) from ``save``'s layout.
 
+        A critic checkpoint from before the critic had an LR schedule (no ``scheduler`` entry) loads too: its
+        schedule continues at the trainer's step count.
+
         Raises: FileNotFoundError if this backend holds a critic but the checkpoint has none.
         """
         path = Path(path)
+        trainer_state = json.loads((path / "trainer_state.json").read_text())
         state = torch.load(path / "optimizer.pt", weights_only=True)
         load_module(self.model, self.optimizer, path / "model" / "model.safetensors", state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -396,7 +401,14 @@ class FSDP2Backend:
                 path / "critic" / "model.safetensors",
                 critic_state["optimizer"],
             )
-        trainer_state = json.loads((path / "trainer_state.json").read_text())
+            if "scheduler" in critic_state:
+                self.critic.scheduler.load_state_dict(critic_state["scheduler"])
+                self.critic.num_skipped_steps = critic_state["skipped_steps"]
+            else:  # saved before the critic had a schedule: it had taken one (unguarded) step per trainer step
+                self.critic.scheduler = warmup_schedule(
+                    self.critic.optimizer, warmup_steps=self.train_cfg.warmup_steps, steps_done=trainer_state["step"]
+                )
+            self.critic.step = trainer_state["step"]
         self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]
 
 

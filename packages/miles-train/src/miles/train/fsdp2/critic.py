@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from miles.core.algorithms.losses import aggregate, value_loss
+from miles.core.algorithms.losses import aggregate, value_loss, zero_masked
 from miles.core.batch import TrainBatch, split_micro_batches
+from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,11 @@ class Critic:
         model_path: HF model directory initializing the backbone (usually the policy); the head starts random.
         mesh: the data-parallel device mesh of the policy.
         param_dtype: compute dtype of the all-gathered parameters.
-        lr: critic learning rate; value_clip: clip range of the value loss.
+        lr: critic peak learning rate; value_clip: clip range of the value loss.
         micro_batch_size: sequences per forward/backward; grad_clip: gradient norm clip.
+        warmup_steps: linear LR warmup over this many critic steps, as the policy's (``train.warmup_steps``).
+        skip_nonfinite_steps: skip a step with a NaN/inf loss or grad norm (True) or raise (False), as the
+            policy's (``train.skip_nonfinite_steps``); a non-finite step is never applied.
     """
 
     def __init__(
@@ -57,6 +61,8 @@ class Critic:
         value_clip: float,
         micro_batch_size: int,
         grad_clip: float,
+        warmup_steps: int,
+        skip_nonfinite_steps: bool,
     ) -> None:
         from miles.train.fsdp2.parallelize import parallelize
         from transformers import AutoModelForTokenClassification
@@ -69,8 +75,12 @@ class Critic:
         model.score.register_forward_hook(_copy_output)
         self.model = parallelize(model, mesh=mesh, param_dtype=param_dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.scheduler = warmup_schedule(self.optimizer, warmup_steps=warmup_steps)
         self.value_clip, self.micro_batch_size, self.grad_clip = value_clip, micro_batch_size, grad_clip
+        self.skip_nonfinite_steps = skip_nonfinite_steps
         self.world_size = dist.get_world_size()
+        self.step = 0
+        self.num_skipped_steps = 0
 
     def _values(self, mb: TrainBatch) -> Tensor:
         scores = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long()).logits[..., 0]  # [b, L]
@@ -89,9 +99,12 @@ class Critic:
         return torch.where(cols, values, 0.0)
 
     def train_step(self, batch: TrainBatch, *, num_tokens: int) -> dict[str, float]:
-        """One optimizer step of the clipped value loss (token mean over the global ``num_tokens``).
+        """One optimizer step of the clipped value loss (token mean over the global ``num_tokens``), with the
+        policy's guard and LR warmup (see ``guarded_step``).
 
-        Raises: ValueError if the batch lacks ``values`` or ``returns`` (run GAE first).
+        Returns: loss/value, value_clipfrac, critic_grad_norm (before clipping), critic_lr, critic_skipped_steps.
+        Raises: ValueError if the batch lacks ``values`` or ``returns`` (run GAE first); FloatingPointError on a
+            non-finite step when ``skip_nonfinite_steps`` is False.
         """
         if batch.values is None or batch.returns is None:
             raise ValueError("critic.train_step needs batch.values and batch.returns (computed with advantage 'gae')")
@@ -99,19 +112,33 @@ class Critic:
         micro_batches = split_micro_batches(batch, self.micro_batch_size)
         for i, mb in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            token_loss, clipped = value_loss(self._values(mb), mb.values, mb.returns, clip=self.value_clip)
+            # Selection (not multiplication) by the mask: a NaN/inf at a masked slot must not reach the gradient.
+            loss_mask = mb.loss_mask
+            values, old_values, returns = (zero_masked(t, loss_mask) for t in (self._values(mb), mb.values, mb.returns))
+            token_loss, clipped = value_loss(values, old_values, returns, clip=self.value_clip)
             loss = aggregate(token_loss, mb.loss_mask, mode="token_mean", num_tokens=num_tokens)
             (loss * self.world_size).backward()  # FSDP2 averages over ranks; the loss already uses global counts
             sums["loss/value"] += loss.detach()
             sums["value_clipfrac"] += aggregate(clipped.float(), mb.loss_mask, mode="token_mean", num_tokens=num_tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         totals = torch.stack([sums["loss/value"], sums["value_clipfrac"]]).double()
-        dist.all_reduce(totals)
+        dist.all_reduce(totals)  # the global loss, so that every rank takes the same skip decision
+        grad_norm, applied = guarded_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            loss=float(totals[0]),  # host sync, once per step
+            grad_clip=self.grad_clip,
+            skip_nonfinite=self.skip_nonfinite_steps,
+            step=self.step,
+            what="critic",
+            lr_key="algorithm.critic_lr",
+        )
+        self.num_skipped_steps += not applied
+        self.step += 1
         return {
             "loss/value": float(totals[0]),
             "value_clipfrac": float(totals[1]),
-            "critic_grad_norm": float(grad_norm),
+            "critic_grad_norm": grad_norm,
+            "critic_lr": self.scheduler.get_last_lr()[0],
+            "critic_skipped_steps": float(self.num_skipped_steps),
         }
