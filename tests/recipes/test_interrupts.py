@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from miles.recipes.cli import main
+from miles.recipes.cli import command_prefix, main
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +94,7 @@ def test_one_ctrl_c_mid_step_saves_that_step_and_resume_continues_exactly(
     run = tmp_path / "stopped"
     assert stderr.strip().splitlines()[-1] == (
         f"miles: stopped by SIGINT after step 2 of {NUM_STEPS}; checkpoint {run / 'checkpoints' / 'step_2'}. "
-        f"Continue with: miles train --run.name stopped --run.dir {tmp_path} --resume"
+        f"Continue with: {command_prefix()}miles train --run.name stopped --run.dir {tmp_path} --resume"
     )
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
     assert [r["step"] for r in _metrics(run)] == [1, 2]
@@ -115,7 +115,7 @@ def test_one_ctrl_c_mid_step_saves_that_step_and_resume_continues_exactly(
     assert main(["train", "--run.dir", str(tmp_path), "--run.name", "stopped", "--resume"]) == 0
     assert capsys.readouterr().out.strip() == (
         f"miles: run stopped already finished: step_4 has 4 of loop.num_steps {NUM_STEPS} steps; to train on, add "
-        f"--loop.num-steps 8 to `miles train --run.name stopped --run.dir {tmp_path} --resume`"
+        f"--loop.num-steps 8 to `{command_prefix()}miles train --run.name stopped --run.dir {tmp_path} --resume`"
     )
 
 
@@ -133,7 +133,7 @@ def test_two_ctrl_c_abandon_the_step_and_a_run_without_checkpoint_can_be_restart
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == (
         "miles: interrupted; no checkpoint was written, so it starts from step 0. "
-        f"Continue with: miles train --run.name abandoned --run.dir {tmp_path} --resume"
+        f"Continue with: {command_prefix()}miles train --run.name abandoned --run.dir {tmp_path} --resume"
     )
     run = tmp_path / "abandoned"
     assert not (run / "checkpoints").exists()
@@ -159,3 +159,36 @@ def test_a_generated_run_name_is_recorded_in_the_config(tiny_smollm2_dir, tmp_pa
     assert main(["train", *args, "--loop.num-steps", "1"]) == 0
     (run,) = tmp_path.glob("smollm2_grpo_arithmetic-*")
     assert yaml.safe_load((run / "config.yaml").read_text())["run"]["name"] == run.name
+
+
+def test_ctrl_c_still_saves_when_the_console_pipe_is_gone(tiny_smollm2_dir, tmp_path, reward_env):
+    """`miles train ... | tee log` and Ctrl-C: tee dies with the same SIGINT, so every later console write fails."""
+    args = [*_overrides(tiny_smollm2_dir, tmp_path, "piped"), "--run.progress", "true"]
+    process = _start(args, tmp_path, slow_step=1, sleep_s=2)
+    _wait_for(tmp_path / "marker", process)
+    process.stdout.close()
+    process.stderr.close()  # the reader is gone: the progress bar and the last line hit a broken pipe
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=300) == 130
+    run = tmp_path / "piped"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert "miles.recipes.run: stopped by SIGINT after step 2 of 4" in (run / "train.log").read_text()
+
+
+def test_resume_uses_the_runs_latest_settings_not_an_older_checkpoints(tiny_llama_dir, tmp_path):
+    """A run extended with `--resume --loop.num-steps 6` and stopped before its next save: continuing it must
+    keep 6, not go back to the 3 of the checkpoint it started from."""
+    from miles.recipes.cli import resolve_config, resolve_resume
+
+    base = ["--model.path", str(tiny_llama_dir), "--run.dir", str(tmp_path), "--run.name", "ext"]
+    run = tmp_path / "ext"
+    checkpoint = run / "checkpoints" / "step_3"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "run_state.json").write_text(json.dumps({"step": 3, "weight_version": 3, "data_source": {}}))
+    old = resolve_config("smollm2_grpo_arithmetic", [*base, "--loop.num-steps", "3"]).model_dump(mode="json")
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(old))
+    (run / "config.yaml").write_text(yaml.safe_dump({**old, "loop": {**old["loop"], "num_steps": 6}}))
+    cfg, run_dir, found = resolve_resume("latest", "smollm2_grpo_arithmetic", base)
+    assert (cfg.loop.num_steps, run_dir, found) == (6, run, checkpoint)
+    cfg, _, _ = resolve_resume(str(checkpoint), "smollm2_grpo_arithmetic", [])  # an explicit checkpoint: its own
+    assert cfg.loop.num_steps == 3

@@ -80,3 +80,24 @@ def test_plot_rewards_writes_the_png_atomically_leaving_no_temp_file(tmp_path):
     plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "reward.png")
     assert (tmp_path / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "reward.png"]
+
+
+class ClosedPipe:
+    """A console whose reader is gone (``| tee`` killed by the same Ctrl-C): every write raises."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_console_that_goes_away_turns_the_bars_off_instead_of_failing_the_run():
+    sink = ConsoleSink(3, file=ClosedPipe())
+    sink.log({"eval/reward": 0.5}, step=0)  # would raise BrokenPipeError from tqdm
+    bar = sink.eval_bar(4)
+    bar.update(2)
+    bar.close()
+    sink.log({"reward/mean": 0.3}, step=1)
+    sink.close()
+    assert sink.bar.disable and bar.disable

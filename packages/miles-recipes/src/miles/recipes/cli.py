@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,7 +42,8 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
 
     Without PATH the checkpoint is ``latest`` of the run ``--run.dir``/``--run.name``; a run without a checkpoint
     yet (stopped or crashed before its first save) gives None: it starts again from step 0 with its recorded
-    ``config.yaml``. The config is the one stored in the checkpoint with the command
+    ``config.yaml``. The config is the run's ``config.yaml`` (its latest settings, e.g. a ``--loop.num-steps``
+    raised by an earlier resume), or for PATH the one stored in the checkpoint with the command
     line's overrides on top (e.g. a larger ``--loop.num-steps``); the run directory is the checkpoint's own unless
     ``--run.name`` names another (a branch of the run).
     Raises: ValueError naming the flag and the fix.
@@ -63,6 +65,8 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
             )
         if checkpoint is None:  # built and started, stopped before its first checkpoint: again from step 0
             return _validate(yaml.safe_load(recorded.read_text()), override_args), run_dir, None
+        if recorded.is_file():  # the run's latest settings, e.g. a --loop.num-steps raised by an earlier resume
+            return _validate(yaml.safe_load(recorded.read_text()), override_args), run_dir, checkpoint
     else:
         checkpoint = Path(resume)
     if not (checkpoint / "config.yaml").is_file():
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 "start it over with --overwrite, or pick another --run.name"
             )
     cfg = _with_run_name(cfg, run_dir.name)
-    continue_cmd = f"miles train --run.name {run_dir.name}{_dir_flag(run_dir)} --resume"
+    continue_cmd = f"{command_prefix()}miles train --run.name {run_dir.name}{_dir_flag(run_dir)} --resume"
     if checkpoint is not None:
         done = load_run_state(checkpoint)["step"]
         if done >= cfg.loop.num_steps:
@@ -198,19 +202,21 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(err)
     except KeyboardInterrupt:
         if not (run_dir / "config.yaml").is_file():  # still building: nothing was written
-            print("\nmiles: interrupted before the run started; nothing was written", file=sys.stderr)  # noqa: T201
+            _print_safely("\nmiles: interrupted before the run started; nothing was written")
             return 130
         saved = read_latest(run_dir / "checkpoints")
         where = (
             f"the last checkpoint is {saved.name}" if saved else "no checkpoint was written, so it starts from step 0"
         )
-        print(f"\nmiles: interrupted; {where}. Continue with: {continue_cmd}", file=sys.stderr)  # noqa: T201
+        _print_safely(f"\nmiles: interrupted; {where}. Continue with: {continue_cmd}")
         return 130
     if result.stopped_by is not None:
-        print(  # noqa: T201
-            f"miles: stopped by {result.stopped_by} after step {result.steps_done} of {result.num_steps}; "
-            f"checkpoint {result.checkpoint}. Continue with: {continue_cmd}",
-            file=sys.stderr,
+        saved = (
+            f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint yet, so it starts from step 0"
+        )
+        _print_safely(
+            f"miles: stopped by {result.stopped_by} after step {result.steps_done} of {result.num_steps}; {saved}. "
+            f"Continue with: {continue_cmd}"
         )
         return 130
     logger.info("done: run directory %s, final checkpoint %s", run_dir, result.checkpoint)
@@ -224,6 +230,20 @@ def _setup_logging() -> None:
     for handler in logging.getLogger().handlers:
         handler.setLevel(logging.INFO)
     logging.getLogger("miles").setLevel(logging.INFO)
+
+
+def command_prefix() -> str:
+    """``"uv run "`` when this process was started by ``uv run`` (so a printed command works as typed), else ""."""
+    return "uv run " if os.environ.get("UV_RUN_RECURSION_DEPTH") else ""
+
+
+def _print_safely(line: str) -> None:
+    """The last line of an interrupted run, on stderr; a console that went away (``| tee`` killed by the same
+    Ctrl-C) is no error: ``train.log`` says how the run ended."""
+    try:
+        print(line, file=sys.stderr)  # noqa: T201
+    except OSError:
+        pass
 
 
 def _fail(err: Exception | str) -> int:

@@ -264,8 +264,13 @@ def run(
         )
         from tqdm.contrib.logging import logging_redirect_tqdm
 
+        root = logging.getLogger()
+        console_level = min(
+            (h.level for h in root.handlers if type(h) is logging.StreamHandler), default=logging.NOTSET
+        )
+
         try:
-            with stop, logging_redirect_tqdm():  # log lines print above the progress bar instead of through it
+            with stop, logging_redirect_tqdm(), _console_level(console_level):  # log lines print above the bar
                 steps_done = train_sync(
                     components,
                     loop=cfg.loop,
@@ -278,6 +283,8 @@ def run(
             sink.close()
             if (run_dir / "metrics.jsonl").stat().st_size:
                 plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
+        if steps_done < cfg.loop.num_steps:  # the console may be gone (``| tee`` killed by the Ctrl-C): log it too
+            logger.info("stopped by %s after step %d of %d", stop.requested, steps_done, cfg.loop.num_steps)
     return RunResult(
         run_dir=run_dir,
         steps_done=steps_done,
@@ -322,6 +329,16 @@ def _run_log(run_dir: Path) -> Iterator:
         miles_logger.setLevel(previous_level)
 
 
+@contextmanager
+def _console_level(level: int) -> Iterator[None]:
+    """Give tqdm's console handlers (``logging_redirect_tqdm`` swaps them in without the level) the level of the
+    handlers they replace, so the DEBUG lines meant for ``train.log`` stay off the console."""
+    for handler in logging.getLogger().handlers:
+        if type(handler).__name__ == "_TqdmLoggingHandler":
+            handler.setLevel(level)
+    yield
+
+
 def _remove_run_dir(run_dir: Path) -> None:
     """Delete a run directory: renamed aside first (atomic), so a crash never leaves half of it."""
     if not run_dir.exists():
@@ -329,7 +346,7 @@ def _remove_run_dir(run_dir: Path) -> None:
     trash = run_dir.with_name(f".{run_dir.name}.trash-{os.getpid()}")
     os.replace(run_dir, trash)
     shutil.rmtree(trash, ignore_errors=True)
-    logger.info("removed the previous contents of %s (--overwrite)", run_dir)
+    logger.info("removed the previous contents of %s", run_dir)
 
 
 def _drop_metrics_after(path: Path, step: int) -> None:

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-    from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -35,31 +34,84 @@ class JsonlSink:
 
 class ConsoleSink:
     """A tqdm progress bar over the run's steps, showing the key metrics of the last step; ``eval_bar`` opens a
-    second, transient one while an evaluation runs (as ``Components.progress``)."""
+    second, transient one while an evaluation runs (as ``Components.progress``).
 
-    def __init__(self, total_steps: int, *, initial: int = 0, enabled: bool = True) -> None:
+    A console that goes away (the terminal closed, ``| tee`` killed by the same Ctrl-C) turns the bars off instead
+    of failing the run: a write error (``OSError``, e.g. ``BrokenPipeError``) disables them, and the run goes on to
+    its checkpoint.
+    """
+
+    def __init__(self, total_steps: int, *, initial: int = 0, enabled: bool = True, file=None) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total_steps, initial=initial, desc="miles", unit="step", disable=not enabled)
+        self._file = file
+        bar_args = dict(total=total_steps, initial=initial, desc="miles", unit="step", file=file)
+        try:
+            self.bar = tqdm(disable=not enabled, **bar_args)
+        except OSError as err:  # no console to draw on
+            self.bar = tqdm(disable=True, **bar_args)
+            self._console_lost(err)
         self._shown: dict[str, float] = {}
 
-    def eval_bar(self, total: int) -> tqdm:
+    def eval_bar(self, total: int) -> _GuardedBar:
         """A bar under the step bar counting finished eval samples out of ``total``; erased when closed."""
         from tqdm import tqdm
 
-        return tqdm(total=total, desc="eval", unit="sample", leave=False, disable=self.bar.disable)
+        bar_args = dict(total=total, desc="eval", unit="sample", leave=False, file=self._file)
+        try:
+            bar = tqdm(disable=self.bar.disable, **bar_args)
+        except OSError as err:
+            bar = tqdm(disable=True, **bar_args)
+            self._console_lost(err)
+        return _GuardedBar(bar, on_error=self._console_lost)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._shown.update({k: v for k, v in metrics.items() if k in CONSOLE_KEYS})
-        self.bar.set_postfix({k: f"{v:.3g}" for k, v in self._shown.items()}, refresh=False)
-        if step == 0 and self.bar.n == 0:  # the step-0 eval is not a training step: keep it out of the ETA
-            self.bar.reset(total=self.bar.total)
-        if step > self.bar.n:
-            self.bar.update(step - self.bar.n)
         logger.debug("step %d: %s", step, metrics)
+        self._shown.update({k: v for k, v in metrics.items() if k in CONSOLE_KEYS})
+        try:
+            self.bar.set_postfix({k: f"{v:.3g}" for k, v in self._shown.items()}, refresh=False)
+            if step == 0 and self.bar.n == 0:  # the step-0 eval is not a training step: keep it out of the ETA
+                self.bar.reset(total=self.bar.total)
+            if step > self.bar.n:
+                self.bar.update(step - self.bar.n)
+        except OSError as err:
+            self._console_lost(err)
 
     def close(self) -> None:
-        self.bar.close()
+        try:
+            self.bar.close()
+        except OSError as err:
+            self._console_lost(err)
+
+    def _console_lost(self, err: OSError) -> None:
+        self.bar.disable = True
+        logger.debug("console progress bar off: %s", err)
+
+
+class _GuardedBar:
+    """A tqdm bar whose write errors (``OSError``) switch the console off instead of propagating."""
+
+    def __init__(self, bar, *, on_error) -> None:
+        self.bar, self._on_error = bar, on_error
+
+    def __getattr__(self, name: str) -> Any:  # n, total, desc, ... of the bar
+        return getattr(self.bar, name)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar.disable:
+            return
+        try:
+            self.bar.update(n)
+        except OSError as err:
+            self.bar.disable = True
+            self._on_error(err)
+
+    def close(self) -> None:
+        try:
+            self.bar.close()
+        except OSError as err:
+            self.bar.disable = True
+            self._on_error(err)
 
 
 class MultiSink:
