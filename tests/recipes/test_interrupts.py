@@ -91,6 +91,7 @@ def test_one_ctrl_c_mid_step_saves_that_step_and_resume_continues_exactly(
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
+    assert " DEBUG " not in stderr  # per-step lines go to train.log only (tqdm's log redirect kept no level)
     run = tmp_path / "stopped"
     assert stderr.strip().splitlines()[-1] == (
         f"miles: stopped by SIGINT after step 2 of {NUM_STEPS}; checkpoint {run / 'checkpoints' / 'step_2'}. "
