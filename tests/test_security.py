@@ -23,17 +23,25 @@ RULES = [
 ]
 
 
+# (rule id, file) pairs exempt from a rule, each with the reason.
+EXEMPT = {
+    # Round-trips an object the test itself pickled one line earlier, to prove Sample crosses processes (Ray).
+    ("pickle_load", "tests/core/test_sample.py"),
+}
+
+
 def test_the_audit_sees_the_source_tree():
     names = {p.name for p in SOURCES}
     assert len(SOURCES) > 50 and {"checkpoint.py", "backend.py", "sender.py"} <= names
 
 
 @pytest.mark.parametrize("pattern", RULES)
-def test_no_source_file_breaks_the_rule(pattern):
+def test_no_source_file_breaks_the_rule(pattern, request):
+    rule = request.node.callspec.id
     hits = [
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
         for path in SOURCES
-        if path != THIS
+        if path != THIS and (rule, str(path.relative_to(ROOT))) not in EXEMPT
         for number, line in enumerate(path.read_text().splitlines(), start=1)
         if pattern.search(line)
     ]

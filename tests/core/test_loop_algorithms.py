@@ -6,7 +6,7 @@ import sys
 import textwrap
 
 import pytest
-import torch
+from doubles import CountingPublisher, FakeBackend, NullSink
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, SamplingConfig
 from miles.core.loop import Components, evaluate, run_step, train_sync
 from miles.core.sample import Sample, SampleStatus
@@ -56,42 +56,13 @@ class ScriptedRollout:
         return samples
 
 
-class RecordingBackend:
-    def __init__(self):
-        self.batches = []
-
-    def compute_log_probs(self, batch):
-        return batch.replace(old_log_probs=torch.zeros(batch.loss_mask.shape))
-
-    def train_step(self, batch):
-        self.batches.append(batch)
-        return {"loss": 0.0}
-
-    def export_weights(self):
-        return iter(())
-
-
-class Pusher:
-    def push(self, named_tensors):
-        list(named_tensors)
-        return 1
-
-
-class NullSink:
-    def log(self, metrics, step):
-        pass
-
-    def close(self):
-        pass
-
-
 def _components(rollout_fn, reward_fn):
     return Components(
         data_source=Prompts(),
         rollout_fn=rollout_fn,
         reward_fn=reward_fn,
-        backend=RecordingBackend(),
-        weight_pusher=Pusher(),
+        backend=FakeBackend(),
+        publisher=CountingPublisher(),
         sink=NullSink(),
     )
 
@@ -287,9 +258,9 @@ class RecordingEngine:
     def __init__(self, engine):
         self.engine, self.requests = engine, []
 
-    def generate(self, requests):
-        self.requests.extend(requests)
-        return self.engine.generate(requests)
+    async def generate(self, request):
+        self.requests.append(request)
+        return await self.engine.generate(request)
 
 
 def test_eval_uses_its_own_sampling_settings_and_training_keeps_its_own(tiny_llama_dir):

@@ -3,8 +3,10 @@ of a tiny random-init model on a toy task within seconds."""
 
 import pytest
 import torch
+from doubles import ListSink
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, SamplingConfig
 from miles.core.loop import Components, train_sync
+from miles.core.publisher import EnginePublisher
 from miles.core.sample import Sample
 from miles.rollout.engines import EmbeddedEngine
 from miles.rollout.generate import ChatRollout
@@ -34,17 +36,6 @@ class TokenPrompts:
         self.count = state["count"]
 
 
-class ListSink:
-    def __init__(self):
-        self.rows = []
-
-    def log(self, metrics, step):
-        self.rows.append({"step": step, **metrics})
-
-    def close(self):
-        pass
-
-
 def first_token_reward(sample: Sample) -> float:
     return 1.0 if sample.response_tokens[0] in TARGETS else 0.0
 
@@ -55,9 +46,8 @@ def test_grpo_raises_the_reward_of_a_tiny_random_model_on_a_toy_task(tiny_llama_
     backend = FSDP2Backend(
         tiny_llama_dir,
         train=TrainConfig(lr=3e-3, micro_batch_size=32),
-        algorithm=AlgorithmConfig(),
         temperature=1.0,
-        max_new_tokens=2,
+        weight_sink=WeightSender(InProcessTransport(engine.receiver)),
     )
     sink = ListSink()
     components = Components(
@@ -65,7 +55,7 @@ def test_grpo_raises_the_reward_of_a_tiny_random_model_on_a_toy_task(tiny_llama_
         rollout_fn=ChatRollout(engine, tokenizer=None),
         reward_fn=first_token_reward,
         backend=backend,
-        weight_pusher=WeightSender(InProcessTransport(engine.receiver)),
+        publisher=EnginePublisher(backend, [engine]),
         sink=sink,
         eval_prompts=TokenPrompts().next_prompts(8),
     )
@@ -98,7 +88,7 @@ def test_a_batch_where_every_reward_fails_stops_with_a_clear_message(tiny_llama_
         rollout_fn=ChatRollout(engine, tokenizer=None),
         reward_fn=broken_reward,
         backend=None,
-        weight_pusher=None,
+        publisher=None,
         sink=ListSink(),
     )
     with pytest.raises(RuntimeError, match="all 4 samples failed.*scorer is down"):

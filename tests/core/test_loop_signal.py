@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from doubles import CountingPublisher, FakeBackend, ListSink
 from miles.core import logs
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
 from miles.core.loop import Components, no_signal_ratio, train_sync
@@ -82,33 +83,6 @@ class ScriptedRollout:
         return samples
 
 
-class ZeroBackend:
-    def compute_log_probs(self, batch):
-        return batch.replace(old_log_probs=torch.zeros(batch.loss_mask.shape))
-
-    def train_step(self, batch):
-        return {"loss": 0.0}
-
-    def export_weights(self):
-        return iter(())
-
-
-class Pusher:
-    def push(self, named_tensors):
-        return 1
-
-
-class ListSink:
-    def __init__(self):
-        self.rows = []
-
-    def log(self, metrics, step):
-        self.rows.append({"step": step, **metrics})
-
-    def close(self):
-        pass
-
-
 def test_a_run_whose_steps_have_no_reward_variance_warns_once_and_logs_the_ratio_every_step(caplog):
     flat0, flat1, mixed = [(0, DONE), (0, DONE)], [(1, DONE), (1, DONE)], [(0, DONE), (1, DONE)]
     with_failure = [(1, DONE), (0, FAILED)]  # the failed 0 is left out: [1] alone is flat
@@ -123,8 +97,8 @@ def test_a_run_whose_steps_have_no_reward_variance_warns_once_and_logs_the_ratio
         data_source=Prompts(),
         rollout_fn=ScriptedRollout([group for step in steps for group in step]),
         reward_fn=lambda s: float(s.response_tokens[0]),
-        backend=ZeroBackend(),
-        weight_pusher=Pusher(),
+        backend=FakeBackend(),
+        publisher=CountingPublisher(),
         sink=sink,
     )
     with caplog.at_level(logging.WARNING, logger="miles.core.loop"):
@@ -152,8 +126,8 @@ def test_a_step_with_signal_in_some_group_does_not_warn(caplog):
         data_source=Prompts(),
         rollout_fn=ScriptedRollout([[(0, DONE), (0, DONE)], [(0, DONE), (1, DONE)]]),
         reward_fn=lambda s: float(s.response_tokens[0]),
-        backend=ZeroBackend(),
-        weight_pusher=Pusher(),
+        backend=FakeBackend(),
+        publisher=CountingPublisher(),
         sink=sink,
     )
     with caplog.at_level(logging.WARNING, logger="miles.core.loop"):

@@ -96,12 +96,9 @@ def test_resaving_an_existing_step_replaces_it(tmp_path):
 
 
 def test_a_backend_with_nan_weights_refuses_to_save_and_the_previous_checkpoint_stays(tiny_llama_dir, tmp_path):
-    from miles.core.config import AlgorithmConfig
     from miles.train import FSDP2Backend, TrainConfig
 
-    backend = FSDP2Backend(
-        tiny_llama_dir, train=TrainConfig(), algorithm=AlgorithmConfig(), temperature=1.0, max_new_tokens=2
-    )
+    backend = FSDP2Backend(tiny_llama_dir, train=TrainConfig(), temperature=1.0)
     save_run_checkpoint(tmp_path, 1, backend=backend, data_source=Positions(), weight_version=1)
     with torch.no_grad():
         next(backend.model.parameters()).fill_(float("nan"))
@@ -112,17 +109,10 @@ def test_a_backend_with_nan_weights_refuses_to_save_and_the_previous_checkpoint_
 
 
 def test_a_nonfinite_step_stops_the_run_when_skipping_is_off(tiny_llama_dir):
-    from miles.core.config import AlgorithmConfig
     from miles.train import FSDP2Backend, TrainConfig
 
     def backend(skip):
-        return FSDP2Backend(
-            tiny_llama_dir,
-            train=TrainConfig(skip_nonfinite_steps=skip),
-            algorithm=AlgorithmConfig(),
-            temperature=1.0,
-            max_new_tokens=2,
-        )
+        return FSDP2Backend(tiny_llama_dir, train=TrainConfig(skip_nonfinite_steps=skip), temperature=1.0)
 
     skipping = backend(True)
     before = {k: v.clone() for k, v in skipping.full_state_dict().items()}

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from doubles import CountingPublisher, FakeBackend, NullSink
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
 from miles.core.loop import Components, train_sync
 from miles.core.sample import Sample, SampleStatus
@@ -89,38 +90,6 @@ def test_resume_of_a_run_that_does_not_exist_is_a_clear_error(tmp_path, capsys):
 
 
 # -- epoch boundary, at the loop level (cheap stand-ins for the model-bound components) ------------------------
-class CountingBackend:
-    """Counts optimizer steps; saves/loads its count like a real backend saves weights."""
-
-    def __init__(self):
-        self.steps = 0
-
-    def compute_log_probs(self, batch):
-        return batch
-
-    def train_step(self, batch):
-        self.steps += 1
-        return {"loss": 0.0}
-
-    def export_weights(self):
-        return iter(())
-
-    def save(self, path):
-        (path / "trainer_state.json").write_text(json.dumps({"step": self.steps}))
-
-    def load(self, path):
-        self.steps = json.loads((path / "trainer_state.json").read_text())["step"]
-
-
-class Pusher:
-    def __init__(self):
-        self.version = 0
-
-    def push(self, named_tensors):
-        self.version += 1
-        return self.version
-
-
 class RecordingRollout:
     """One 1-token response per sample; records which data row each prompt came from."""
 
@@ -141,17 +110,9 @@ class RecordingRollout:
         return samples
 
 
-class NullSink:
-    def log(self, metrics, step):
-        pass
-
-    def close(self):
-        pass
-
-
 def _epoch_run(data_file, checkpoints, *, num_steps, resume):
     source = FileSource(data_file, seed=3)
-    rollout, backend, pusher = RecordingRollout(), CountingBackend(), Pusher()
+    rollout, backend, pusher = RecordingRollout(), FakeBackend(), CountingPublisher()
     start = 0
     if resume:
         state = restore_run_checkpoint(read_latest(checkpoints), backend=backend, data_source=source)
@@ -162,7 +123,7 @@ def _epoch_run(data_file, checkpoints, *, num_steps, resume):
 
     components = Components(
         data_source=source, rollout_fn=rollout, reward_fn=lambda s: float(s.tokens[-1] % 2), backend=backend,
-        weight_pusher=pusher, sink=NullSink(), save_checkpoint=save,
+        publisher=pusher, sink=NullSink(), save_checkpoint=save,
     )  # fmt: skip
     train_sync(
         components,

@@ -15,6 +15,6 @@ def engine_worker(model_dir: str, conn, prompt: list[int], results) -> None:
     endpoint = SharedMemoryEndpoint(engine.receiver, conn)
     endpoint.serve_update()
     sampling = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=4)
-    out = engine.generate([GenerateRequest(prompt, sampling, seed=0)])[0]
+    out = engine.generate_batch([GenerateRequest(prompt, sampling, seed=0)])[0]
     results.put((before, engine.weight_version, out.response_tokens, out.log_probs))
     endpoint.serve()  # until the trainer closes the transport

@@ -104,16 +104,15 @@ def test_a_file_without_a_usable_row_fails_even_when_skipping(tmp_path):
 
 
 class ScriptedEngine:
-    """Returns the given outputs in order (an engine misbehaving in a controlled way)."""
+    """Returns the given outputs in the order requests arrive (an engine misbehaving in a controlled way)."""
 
     weight_version = 3
 
     def __init__(self, outputs):
-        self.outputs = outputs
+        self.outputs = iter(outputs)
 
-    def generate(self, requests):
-        assert len(requests) == len(self.outputs)
-        return self.outputs
+    async def generate(self, request):
+        return next(self.outputs)
 
 
 def test_empty_misaligned_and_nonfinite_engine_outputs_fail_their_sample_only():

@@ -1,7 +1,9 @@
+import asyncio
+
 import pytest
 import torch
 from miles.core.batch import build_train_batch
-from miles.core.config import AlgorithmConfig, SamplingConfig
+from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateRequest
 from miles.core.sample import Sample, SampleStatus
 from miles.rollout.engines import EmbeddedEngine
@@ -36,11 +38,9 @@ def test_engine_log_probs_equal_trainer_log_probs_on_the_same_tokens(
     backend = FSDP2Backend(
         smollm2_dir,
         train=TrainConfig(dtype="fp32", micro_batch_size=4),
-        algorithm=AlgorithmConfig(),
         temperature=temperature,
-        max_new_tokens=12,
     )
-    trainer = backend.compute_log_probs(batch).old_log_probs
+    trainer = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
     diff = ((trainer - batch.rollout_log_probs).abs() * batch.loss_mask).max()
     assert diff < 1e-5, f"max |engine - trainer| log-prob = {diff}"
     assert batch.loss_mask.sum() > 20  # the comparison covered real tokens
@@ -50,7 +50,7 @@ def test_engine_log_probs_equal_trainer_log_probs_on_the_same_tokens(
 def test_finish_reason_is_stop_with_the_stop_token_kept_and_length_otherwise(smollm2_engine, smollm2_tokenizer):
     ids = render_prompt(smollm2_tokenizer, [{"role": "user", "content": "Say hi."}])
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
-    outputs = smollm2_engine.generate([GenerateRequest(ids, sampling, seed=s) for s in range(8)])
+    outputs = smollm2_engine.generate_batch([GenerateRequest(ids, sampling, seed=s) for s in range(8)])
     stop_id = smollm2_engine.stop_token_ids[0]
     for out in outputs:
         assert len(out.response_tokens) == len(out.log_probs) <= 6
@@ -66,8 +66,8 @@ def test_finish_reason_is_stop_with_the_stop_token_kept_and_length_otherwise(smo
 def test_the_same_seed_gives_the_same_samples(smollm2_engine, smollm2_tokenizer):
     ids = render_prompt(smollm2_tokenizer, "The capital of France is")
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=5)
-    first = smollm2_engine.generate([GenerateRequest(ids, sampling, seed=7)] * 2)
-    second = smollm2_engine.generate([GenerateRequest(ids, sampling, seed=7)] * 2)
+    first = smollm2_engine.generate_batch([GenerateRequest(ids, sampling, seed=7)] * 2)
+    second = smollm2_engine.generate_batch([GenerateRequest(ids, sampling, seed=7)] * 2)
     assert [o.response_tokens for o in first] == [o.response_tokens for o in second]
 
 
@@ -76,7 +76,7 @@ def test_top_k_1_is_greedy_and_log_probs_stay_those_of_the_untruncated_distribut
 
     engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2])
     sampling = SamplingConfig(temperature=0.7, top_k=1, max_new_tokens=3)
-    out = engine.generate([GenerateRequest([1, 5, 6], sampling, seed=0)])[0]
+    out = engine.generate_batch([GenerateRequest([1, 5, 6], sampling, seed=0)])[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).requires_grad_(False)
     tokens = [1, 5, 6]
     for token, log_prob in zip(out.response_tokens, out.log_probs):
@@ -95,7 +95,7 @@ def test_weight_updates_through_the_receiver_change_outputs_and_bump_the_version
     zeros = {k: torch.zeros_like(v) if k == "lm_head.weight" else v for k, v in state.items()}
     assert engine.weight_version == 0
     assert sender.push(zeros.items()) == 1 and engine.weight_version == 1
-    out = engine.generate([GenerateRequest([1, 5], SamplingConfig(max_new_tokens=2), seed=0)])[0]
+    out = engine.generate_batch([GenerateRequest([1, 5], SamplingConfig(max_new_tokens=2), seed=0)])[0]
     # Zero LM head -> uniform distribution over 32 tokens.
     assert out.log_probs[0] == pytest.approx(-torch.log(torch.tensor(32.0)).item(), abs=1e-5)
     assert out.weight_version == 1
@@ -120,22 +120,30 @@ def test_stop_counter_reports_each_sequence_once_when_it_samples_a_stop_token_an
     done = counter(torch.tensor([[1, 5, 2], [1, 5, 4], [1, 5, 7]]), None)
     # Step 2: row 0 is padded with 2 (not counted again), row 1 samples the other stop id 9, row 2 goes on.
     done |= counter(torch.tensor([[1, 5, 2, 2], [1, 5, 4, 9], [1, 5, 7, 3]]), None)
-    assert calls == [1, 1] and counter.num_stopped == 2
+    assert calls == [[0], [1]] and counter.num_stopped == 2
     assert done.tolist() == [False, False, False]
 
 
-def test_on_finished_counts_every_sequence_during_decoding_and_changes_no_sample(tiny_llama_dir):
+def test_on_finished_reports_each_request_while_decoding_and_changes_no_sample(tiny_llama_dir):
     engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], max_batch_size=8)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
-    requests = [GenerateRequest([1, 3 + i % 5], sampling, seed=11) for i in range(12)]  # two batches: 8 + 4
-    calls = []
-    with_progress = engine.generate(requests, on_finished=calls.append)
-    without = engine.generate(requests)
+    requests = [GenerateRequest([1, 3 + i % 5], sampling, seed=11 + i) for i in range(12)]  # two batches: 8 + 4
+    finished = []
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(r, on_finished=lambda i=i: finished.append(i))
+                                      for i, r in enumerate(requests)))  # fmt: skip
+
+    with_progress = asyncio.run(run())
+    without = engine.generate_batch(requests)
     assert [o.response_tokens for o in with_progress] == [o.response_tokens for o in without]
     assert [o.log_probs for o in with_progress] == [o.log_probs for o in without]
-    assert sum(calls) == 12
-    num_stopped = sum(o.finish_reason == "stop" for o in with_progress)
-    num_length = 12 - num_stopped
-    assert num_stopped >= 2 and num_length >= 1  # both ways of finishing are exercised by this seed
-    # One call per decode step where something stopped, plus one per batch for the rest: more than 2 calls.
-    assert len(calls) > 2
+    assert sorted(finished) == list(range(12))  # each request once
+    assert list(engine.batch_sizes)[:2] == [8, 4]
+    for batch in (range(8), range(8, 12)):
+        stopped = [i for i in batch if with_progress[i].finish_reason == "stop"]
+        truncated = [i for i in batch if with_progress[i].finish_reason == "length"]
+        assert stopped and truncated  # both ways of finishing are exercised by these seeds
+        # Stopped requests were reported from inside the decode loop, before those that ran to max length.
+        order = [i for i in finished if i in batch]
+        assert set(order[: len(stopped)]) == set(stopped)

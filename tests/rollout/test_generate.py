@@ -1,30 +1,33 @@
-"""ChatRollout's progress callback: failed prompts count at once, the rest is the engine's to report."""
+"""ChatRollout and generate_group: progress (failed prompts count at once, the rest is the engine's to report),
+response text, statuses, seeds and sample order."""
 
+import asyncio
+
+import pytest
 from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateOutput
 from miles.core.sample import Sample
 
 
 class CountingEngine:
-    """Answers every request with [5, 2]; reports the requests as finished one by one."""
+    """Answers every request with [5, 2]; reports each request as finished."""
 
     weight_version = 0
 
     def __init__(self):
         self.num_requests = 0
 
-    def generate(self, requests, *, on_finished=None):
-        self.num_requests += len(requests)
-        for _ in requests:
-            on_finished(1)
-        return [GenerateOutput([5, 2], [-1.0, -1.0], "stop") for _ in requests]
+    async def generate(self, request, *, on_finished=None):
+        self.num_requests += 1
+        on_finished()
+        return GenerateOutput([5, 2], [-1.0, -1.0], "stop")
 
 
 class EngineWithoutProgress:
     weight_version = 0
 
-    def generate(self, requests):
-        return [GenerateOutput([5, 2], [-1.0, -1.0], "stop") for _ in requests]
+    async def generate(self, request):
+        return GenerateOutput([5, 2], [-1.0, -1.0], "stop")
 
 
 def test_failed_prompts_count_as_finished_at_once_and_the_engine_reports_the_rest():
@@ -37,7 +40,8 @@ def test_failed_prompts_count_as_finished_at_once_and_the_engine_reports_the_res
                Sample(index=2, group_index=2, prompt=[1, 2, 3, 4])]  # fmt: skip
     calls = []
     samples = rollout(prompts, n_samples_per_prompt=3, sampling=SamplingConfig(), seed=0, on_finished=calls.append)
-    assert calls == [6, 1, 1, 1]
+    # Groups run concurrently: each failed prompt reports its 3 samples at once, before any response finishes.
+    assert calls == [3, 3, 1, 1, 1]
     assert sum(calls) == len(samples) == 9 and engine.num_requests == 3
 
 
@@ -58,9 +62,9 @@ class RecordingEngine:
     def __init__(self):
         self.requests = []
 
-    def generate(self, requests):
-        self.requests.extend(requests)
-        return [GenerateOutput([5, 2], [-1.0, -1.0], "stop") for _ in requests]
+    async def generate(self, request):
+        self.requests.append(request)
+        return GenerateOutput([5, 2], [-1.0, -1.0], "stop")
 
 
 class DigitTokenizer:
@@ -83,3 +87,39 @@ def test_the_decoded_response_is_the_typed_response_text_field_that_rewards_read
         [Sample(index=0, group_index=0, prompt=[1, 7])], n_samples_per_prompt=1, sampling=SamplingConfig(), seed=0
     )
     assert token_only[0].response_text is None  # no tokenizer, no text
+
+
+class SeedEchoEngine:
+    """Answers each request with [seed % 50, 2], the later the earlier it was submitted (reversed completion)."""
+
+    weight_version = 0
+
+    def __init__(self):
+        self.num_requests = 0
+
+    async def generate(self, request):
+        self.num_requests += 1
+        await asyncio.sleep(0.05 / self.num_requests)
+        return GenerateOutput([request.seed % 50, 2], [-1.0, -1.0], "stop", weight_versions=[2, 3])
+
+
+def test_chat_rollout_samples_come_in_prompt_order_each_with_the_seed_of_its_position():
+    from miles.core.buffer import sample_seed
+    from miles.rollout.generate import ChatRollout
+
+    prompts = [Sample(index=0, group_index=g, prompt=[1, 7 + g]) for g in (4, 5, 6)]
+    samples = ChatRollout(SeedEchoEngine(), tokenizer=None)(
+        prompts, n_samples_per_prompt=2, sampling=SamplingConfig(), seed=11
+    )
+    assert [s.group_index for s in samples] == [4, 4, 5, 5, 6, 6] and [s.index for s in samples] == list(range(6))
+    assert [s.response_tokens[0] for s in samples] == [sample_seed(11, i) % 50 for i in range(6)]
+    assert samples[0].tokens[:2] == [1, 11] and samples[0].weight_versions == [2, 3]
+    assert samples[0].weight_version == 3  # the newest
+
+
+def test_generate_group_needs_one_seed_per_sample():
+    from miles.rollout.generate import generate_group
+
+    with pytest.raises(ValueError, match="2 seeds for n=3"):
+        asyncio.run(generate_group(SeedEchoEngine(), None, Sample(index=0, group_index=0, prompt=[1]), n=3,
+                                   sampling=SamplingConfig(), seeds=[0, 1]))  # fmt: skip

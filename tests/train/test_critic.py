@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from miles.core.algorithms.objective import PolicyObjective
 from miles.core.config import AlgorithmConfig
+from miles.core.loop import train_step
 from miles.train import FSDP2Backend, TrainConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,29 +40,20 @@ def test_policy_and_critic_train_steps_raise_no_view_tensor_warning(tmp_path, ti
     model_dir = _tiny_llama(tmp_path, tie_word_embeddings=tie_word_embeddings)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        backend = FSDP2Backend(
-            model_dir,
-            train=TrainConfig(micro_batch_size=3),
-            algorithm=AlgorithmConfig(advantage_estimator="gae", critic_path=str(model_dir)),
-            temperature=1.0,
-            max_new_tokens=8,
-            critic_path=model_dir,
-        )
-        batch = backend.compute_log_probs(make_batch())
-        metrics = backend.train_step(batch.replace(returns=batch.values + 1.0))
+        backend = FSDP2Backend(model_dir, train=TrainConfig(micro_batch_size=3), temperature=1.0, critic_path=model_dir)
+        batch = backend.forward(make_batch(), outputs={"old_log_probs", "values"})
+        metrics = train_step(backend, batch.replace(returns=batch.values + 1.0), GAE)
     assert metrics["loss/value"] > 0.0
     views = [str(w.message) for w in caught if "view tensor" in str(w.message)]
     assert not views, views
 
 
+GAE = PolicyObjective(AlgorithmConfig(advantage_estimator="gae"), max_new_tokens=8)
+
+
 def _critic_backend(model_dir, *, lr=1e-3, **train):
     return FSDP2Backend(
-        model_dir,
-        train=TrainConfig(micro_batch_size=3, **train),
-        algorithm=AlgorithmConfig(advantage_estimator="gae", critic_path=str(model_dir), critic_lr=lr),
-        temperature=1.0,
-        max_new_tokens=8,
-        critic_path=model_dir,
+        model_dir, train=TrainConfig(micro_batch_size=3, **train), temperature=1.0, critic_path=model_dir, critic_lr=lr
     )
 
 
@@ -77,7 +70,7 @@ def test_the_critic_warms_its_learning_rate_up_like_the_policy(tiny_llama_dir):
     lrs = []
     for _ in range(4):
         batch = _critic_batch(backend)
-        lrs.append(backend.critic.train_step(batch, num_tokens=batch.num_loss_tokens)["critic_lr"])
+        lrs.append(train_step(backend, batch, GAE)["critic_lr"])
     assert lrs == pytest.approx([5e-4, 7.5e-4, 1e-3, 1e-3])  # as the policy's "lr": the LR of the next step
 
 
@@ -88,14 +81,14 @@ def test_a_nonfinite_critic_step_is_skipped_and_counted_or_stops_the_run(tiny_ll
     skipping = _critic_backend(tiny_llama_dir)
     before = {k: v.clone() for k, v in full_model_state(skipping.critic.model).items()}
     batch = _critic_batch(skipping, returns_offset=bad)
-    metrics = skipping.critic.train_step(batch, num_tokens=batch.num_loss_tokens)
+    metrics = train_step(skipping, batch, GAE)
     assert metrics["critic_skipped_steps"] == 1.0 and metrics["critic_lr"] == pytest.approx(1e-3)
     assert all(torch.equal(before[k], v) for k, v in full_model_state(skipping.critic.model).items())
     assert all(p.grad is None for p in skipping.critic.model.parameters())
     good = _critic_batch(skipping)
-    assert skipping.critic.train_step(good, num_tokens=good.num_loss_tokens)["critic_skipped_steps"] == 1.0
+    assert train_step(skipping, good, GAE)["critic_skipped_steps"] == 1.0
 
     stopping = _critic_backend(tiny_llama_dir, skip_nonfinite_steps=False)
     batch = _critic_batch(stopping, returns_offset=bad)
     with pytest.raises(FloatingPointError, match=r"critic loss is .*algorithm.critic_lr.*skip-nonfinite-steps true"):
-        stopping.critic.train_step(batch, num_tokens=batch.num_loss_tokens)
+        train_step(stopping, batch, GAE)

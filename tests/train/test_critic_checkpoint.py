@@ -6,31 +6,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from miles.core.algorithms.objective import PolicyObjective
 from miles.core.config import AlgorithmConfig
+from miles.core.loop import train_step
 from miles.train import FSDP2Backend, TrainConfig
 from miles.train.fsdp2.state import full_model_state
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_fixture import make_batch  # noqa: E402
 
+GAE = PolicyObjective(AlgorithmConfig(advantage_estimator="gae"), max_new_tokens=8)
+
 
 def _backend(model_dir, critic_path, **train):
-    algorithm = AlgorithmConfig(advantage_estimator="gae", critic_path=str(critic_path) if critic_path else "")
     return FSDP2Backend(
-        model_dir,
-        train=TrainConfig(micro_batch_size=3, **train),
-        algorithm=algorithm,
-        temperature=1.0,
-        max_new_tokens=8,
-        critic_path=critic_path,
+        model_dir, train=TrainConfig(micro_batch_size=3, **train), temperature=1.0, critic_path=critic_path
     )
 
 
 def test_critic_weights_and_optimizer_survive_save_and_load(tiny_llama_dir, tmp_path):
     backend = _backend(tiny_llama_dir, tiny_llama_dir)
     batch = make_batch()
-    values = backend.critic.compute_values(batch)
-    backend.critic.train_step(batch.replace(values=values, returns=values + 1.0), num_tokens=batch.num_loss_tokens)
+    _one_critic_step(backend)
     backend.save(tmp_path)
     assert (tmp_path / "critic" / "model.safetensors").is_file()
 
@@ -46,9 +43,7 @@ def test_critic_weights_and_optimizer_survive_save_and_load(tiny_llama_dir, tmp_
 
 
 def test_loading_a_checkpoint_without_critic_into_a_critic_run_is_a_clear_error(tiny_llama_dir, tmp_path):
-    FSDP2Backend(
-        tiny_llama_dir, train=TrainConfig(), algorithm=AlgorithmConfig(), temperature=1.0, max_new_tokens=8
-    ).save(tmp_path)
+    FSDP2Backend(tiny_llama_dir, train=TrainConfig(), temperature=1.0).save(tmp_path)
     with pytest.raises(FileNotFoundError, match="no critic"):
         _backend(tiny_llama_dir, tiny_llama_dir).load(tmp_path)
 
@@ -56,7 +51,7 @@ def test_loading_a_checkpoint_without_critic_into_a_critic_run_is_a_clear_error(
 def _one_critic_step(backend):
     batch = make_batch()
     values = backend.critic.compute_values(batch)
-    backend.critic.train_step(batch.replace(values=values, returns=values + 1.0), num_tokens=batch.num_loss_tokens)
+    train_step(backend, batch.replace(values=values, returns=values + 1.0), GAE)
 
 
 def test_the_critic_lr_schedule_and_skip_count_survive_save_and_load(tiny_llama_dir, tmp_path):

@@ -4,26 +4,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.config import AlgorithmConfig
+from miles.core.loop import train_step
 from miles.train import FSDP2Backend, TrainConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_fixture import make_batch  # noqa: E402
 
+OBJECTIVE = PolicyObjective(AlgorithmConfig(), max_new_tokens=8)
+
 
 def _backend(model_dir, **train_kwargs) -> FSDP2Backend:
-    return FSDP2Backend(
-        model_dir,
-        train=TrainConfig(**train_kwargs),
-        algorithm=AlgorithmConfig(),
-        temperature=1.0,
-        max_new_tokens=8,
-    )
+    return FSDP2Backend(model_dir, train=TrainConfig(**train_kwargs), temperature=1.0)
 
 
-def _grads(model_dir, batch, micro_batch_size) -> dict[str, torch.Tensor]:
-    backend = _backend(model_dir, micro_batch_size=micro_batch_size)
-    backend.forward_backward(batch)
+def _grads(model_dir, batch, micro_batch_size, **train_kwargs) -> dict[str, torch.Tensor]:
+    backend = _backend(model_dir, micro_batch_size=micro_batch_size, **train_kwargs)
+    backend.forward_backward(batch, OBJECTIVE, LossCounts.of(batch))
     return backend.full_gradients()
 
 
@@ -41,7 +39,7 @@ def test_log_probs_equal_a_plain_hf_forward_of_the_same_tokens(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     batch = make_batch()
-    got = _backend(tiny_llama_dir).compute_log_probs(batch).old_log_probs
+    got = _backend(tiny_llama_dir).forward(batch, outputs={"old_log_probs"}).old_log_probs
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     for b in range(batch.batch_size):
         p, n = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
@@ -53,7 +51,7 @@ def test_log_probs_equal_a_plain_hf_forward_of_the_same_tokens(tiny_llama_dir):
 def test_train_step_changes_weights_and_reports_finite_metrics(tiny_llama_dir):
     backend = _backend(tiny_llama_dir, lr=1e-2, micro_batch_size=4)
     before = {k: v.clone() for k, v in backend.full_state_dict().items()}
-    metrics = backend.train_step(make_batch())
+    metrics = train_step(backend, make_batch(), OBJECTIVE)
     after = backend.full_state_dict()
     assert all(not torch.equal(before[k], after[k]) for k in before if "norm" not in k)
     for key in ("loss", "loss/pg", "entropy", "pg_clipfrac", "grad_norm", "train_rollout_logprob_abs_diff"):
@@ -64,7 +62,7 @@ def test_train_step_changes_weights_and_reports_finite_metrics(tiny_llama_dir):
 
 def test_save_then_load_restores_weights_optimizer_and_step(tiny_llama_dir, tmp_path):
     backend = _backend(tiny_llama_dir, lr=1e-2)
-    backend.train_step(make_batch())
+    train_step(backend, make_batch(), OBJECTIVE)
     backend.save(tmp_path)
     restored = _backend(tiny_llama_dir, lr=1e-2)
     restored.load(tmp_path)
@@ -72,22 +70,33 @@ def test_save_then_load_restores_weights_optimizer_and_step(tiny_llama_dir, tmp_
     for name, tensor in backend.full_state_dict().items():
         torch.testing.assert_close(restored.full_state_dict()[name], tensor, atol=0, rtol=0)
     # Same state -> the next step gives identical weights.
-    backend.train_step(make_batch(seed=1))
-    restored.train_step(make_batch(seed=1))
+    train_step(backend, make_batch(seed=1), OBJECTIVE)
+    train_step(restored, make_batch(seed=1), OBJECTIVE)
     for name, tensor in backend.full_state_dict().items():
         torch.testing.assert_close(restored.full_state_dict()[name], tensor, atol=0, rtol=0)
 
 
 @pytest.mark.integration
-def test_fsdp2_world_size_2_matches_the_unsharded_model(tiny_llama_dir, tmp_path):
-    """Two gloo ranks: logits equal the plain HF model; each rank's half batch gives the one-rank gradient."""
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_fsdp2_world_size_2_matches_the_unsharded_model(tiny_llama_dir, tmp_path, layout):
+    """Two gloo ranks: logits equal the plain HF model; each rank's half batch (with the global loss counts)
+    gives the one-rank padded gradient, in the padded and in the packed (varlen) layout."""
     from transformers import AutoModelForCausalLM
 
     worker = Path(__file__).parent / "fsdp2_worker.py"
     out = tmp_path / "rank0.pt"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(worker), str(rank), "2", str(tmp_path / "init"), str(tiny_llama_dir), str(out)],
+            [
+                sys.executable,
+                str(worker),
+                str(rank),
+                "2",
+                str(tmp_path / "init"),
+                str(tiny_llama_dir),
+                str(out),
+                layout,
+            ],
             cwd=worker.parent,
         )
         for rank in range(2)
@@ -108,11 +117,12 @@ def test_skipping_zero_advantage_rows_leaves_loss_and_gradient_unchanged(tiny_ll
     batch = make_batch()
     zeroed = batch.replace(advantages=batch.advantages * torch.tensor([1.0, 0, 0, 1, 0, 1])[:, None])
     skipping = _backend(tiny_llama_dir, micro_batch_size=2)
-    metrics = skipping.forward_backward(zeroed)
+    metrics = skipping.forward_backward(zeroed, OBJECTIVE, LossCounts.of(zeroed))
     assert metrics["skipped_zero_advantage_samples"] == 3
     reference = _backend(tiny_llama_dir, micro_batch_size=2)
-    monkeypatch.setattr(reference, "_drop_rows_without_signal", lambda b: (b, 0))
-    expected = reference.forward_backward(zeroed)
+    keep_all = PolicyObjective(AlgorithmConfig(), max_new_tokens=8)
+    monkeypatch.setattr(keep_all, "select_rows", lambda b, world_size: (b, 0))
+    expected = reference.forward_backward(zeroed, keep_all, LossCounts.of(zeroed))
     assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-7)
     got, want = skipping.full_gradients(), reference.full_gradients()
     for name in want:
@@ -123,7 +133,7 @@ def test_a_batch_without_any_signal_trains_nothing_and_does_not_crash(tiny_llama
     backend = _backend(tiny_llama_dir)
     before = {k: v.clone() for k, v in backend.full_state_dict().items()}
     batch = make_batch()
-    metrics = backend.train_step(batch.replace(advantages=torch.zeros_like(batch.advantages)))
+    metrics = train_step(backend, batch.replace(advantages=torch.zeros_like(batch.advantages)), OBJECTIVE)
     assert metrics["loss"] == 0.0 and metrics["skipped_zero_advantage_samples"] == 5  # one row kept for metrics
     assert metrics["entropy"] > 0
     assert all(torch.equal(before[k], v) for k, v in backend.full_state_dict().items())

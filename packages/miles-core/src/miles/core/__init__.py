@@ -1,8 +1,9 @@
 """miles.core: Sample and batch types, protocols, RL algorithms, config sections and the training loop."""
 
+from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.batch import TrainBatch, build_train_batch, split_micro_batches
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, SamplingConfig
-from miles.core.loop import Components, run_step, train_sync
+from miles.core.loop import Components, run_step, train_step, train_sync
 from miles.core.protocols import (
     DataSource,
     Engine,
@@ -12,8 +13,9 @@ from miles.core.protocols import (
     RewardFn,
     RolloutFn,
     TrainBackend,
-    WeightPusher,
+    WeightPublisher,
 )
+from miles.core.publisher import EnginePublisher
 from miles.core.rewards import score_samples
 from miles.core.sample import Sample, SampleStatus, group_samples
 
@@ -22,11 +24,14 @@ __all__ = [
     "Components",
     "DataSource",
     "Engine",
+    "EnginePublisher",
     "EvalConfig",
     "GenerateOutput",
     "GenerateRequest",
+    "LossCounts",
     "LoopConfig",
     "MetricsSink",
+    "PolicyObjective",
     "RewardFn",
     "RolloutConfig",
     "RolloutFn",
@@ -35,11 +40,12 @@ __all__ = [
     "SamplingConfig",
     "TrainBackend",
     "TrainBatch",
-    "WeightPusher",
+    "WeightPublisher",
     "build_train_batch",
     "group_samples",
     "run_step",
     "score_samples",
     "split_micro_batches",
+    "train_step",
     "train_sync",
 ]

@@ -4,6 +4,9 @@ Layout (B sequences, L = longest prompt + response, T = longest response):
 ``tokens[b, :prompt_lengths[b] + response_lengths[b]]`` holds the real ids, right-padded with ``pad_token_id``.
 Per-response-token tensors are ``[B, T]``: column t of row b is response token t of sample b, i.e. the
 token at ``tokens[b, prompt_lengths[b] + t]``; columns past ``response_lengths[b]`` are padding (loss_mask False).
+
+``PackedSequences`` (``pack_sequences``) is the varlen form of the same rows for the model forward: the N real
+tokens of all rows concatenated into one row, no padding; per-token results are gathered back to ``[B, T]``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ class TrainBatch:
         teacher_log_probs: [B, T] float32 nats under the teacher (on-policy distillation); None without a teacher.
         values: [B, T] float32 critic values V(s_t) at rollout time (PPO/GAE); None without a critic.
         returns: [B, T] float32 critic targets (GAE advantages + values); None without a critic.
+        weight_versions: [B] int64, the policy weight version each sample was generated with. A sample generated
+            across several versions (a partial rollout resumed after a weight push) gets its oldest one, so
+            staleness (trainer version - weight_versions) is measured from its oldest segment.
+        routed_experts: [B, L, num_layers, top_k] int32 MoE experts chosen at rollout for each token (routing
+            replay, R3), laid out like ``tokens`` and right-padded with -1; None unless every sample has them.
     """
 
     tokens: Tensor
@@ -50,6 +58,8 @@ class TrainBatch:
     teacher_log_probs: Tensor | None = None
     values: Tensor | None = None
     returns: Tensor | None = None
+    weight_versions: Tensor | None = None
+    routed_experts: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -86,7 +96,7 @@ class TrainBatch:
             value = getattr(self, f.name)
             if value is None:
                 fields[f.name] = None
-            elif f.name in ("tokens", "attention_mask"):
+            elif f.name in ("tokens", "attention_mask", "routed_experts"):  # [B, L, ...]
                 fields[f.name] = value[rows, :seq_len]
             elif value.dim() == 2:
                 fields[f.name] = value[rows, :resp_len]
@@ -106,7 +116,8 @@ def build_train_batch(
             Any value (NaN/inf included) where the result's ``loss_mask`` is False: those slots become exactly 0.
         pad_token_id: id used to right-pad ``tokens``.
         trained: per sample, False excludes it from the loss (e.g. a failed reward); default all True.
-    Returns: the packed batch; ``loss_mask`` is ``sample.loss_mask`` (or all ones) AND ``trained``.
+    Returns: the padded batch; ``loss_mask`` is ``sample.loss_mask`` (or all ones) AND ``trained``;
+        ``weight_versions`` always set; ``routed_experts`` set when every sample has ``rollout_routed_experts``.
     Raises: ValueError if a sample has no response, lengths disagree, or shapes mismatch.
     """
     num = len(samples)
@@ -150,6 +161,10 @@ def build_train_batch(
     # Selection, not multiplication: NaN * 0 is NaN, and a masked slot (padding, an untrained sample) must hold 0.
     advantages = torch.where(loss_mask, advantages, torch.zeros((), dtype=torch.float32))
     rewards = torch.tensor([_scalar_reward(s) if t else 0.0 for s, t in zip(samples, trained)], dtype=torch.float32)
+    # ``weight_versions`` (one per generation segment) may exist on newer Samples; the oldest bounds staleness.
+    weight_versions = torch.tensor(
+        [min(getattr(s, "weight_versions", None) or [s.weight_version]) for s in samples], dtype=torch.int64
+    )
     return TrainBatch(
         tokens=tokens,
         attention_mask=attention_mask,
@@ -159,7 +174,33 @@ def build_train_batch(
         advantages=advantages.contiguous(),
         rewards=rewards,
         rollout_log_probs=rollout_log_probs if has_rollout_log_probs else None,
+        weight_versions=weight_versions,
+        routed_experts=_routed_experts(samples, seq_len),
     )
+
+
+def _routed_experts(samples: Sequence[Sample], seq_len: int) -> Tensor | None:
+    """[B, seq_len, num_layers, top_k] int32 from each sample's [len(tokens), num_layers, top_k] ids, -1 padded.
+
+    None unless every sample has ``rollout_routed_experts`` (replay needs all rows or none).
+    Raises: ValueError if a sample's array is not [len(tokens), num_layers, top_k] with the batch's num_layers, top_k.
+    """
+    if any(s.rollout_routed_experts is None for s in samples):
+        return None
+    # int32: expert ids are small, and this is num_layers * top_k ints per token (e.g. 48 * 8), the batch's largest.
+    per_sample = [torch.as_tensor(s.rollout_routed_experts).to(torch.int32) for s in samples]
+    trailing = per_sample[0].shape[1:]
+    for sample, experts in zip(samples, per_sample):
+        if experts.dim() != 3 or experts.shape[0] != len(sample.tokens) or experts.shape[1:] != trailing:
+            raise ValueError(
+                f"sample {sample.index}: rollout_routed_experts has shape {tuple(experts.shape)}, expected "
+                f"[len(tokens)={len(sample.tokens)}, num_layers, top_k] with (num_layers, top_k) = {tuple(trailing)} "
+                "as in the first sample; the engine must report one routing per token of prompt + response"
+            )
+    routed = torch.full((len(samples), seq_len, *trailing), -1, dtype=torch.int32)
+    for b, experts in enumerate(per_sample):
+        routed[b, : experts.shape[0]] = experts
+    return routed
 
 
 def _scalar_reward(sample: Sample) -> float:
@@ -177,3 +218,57 @@ def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainB
         batch.slice(i, min(i + micro_batch_size, batch.batch_size))
         for i in range(0, batch.batch_size, micro_batch_size)
     ]
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """B right-padded rows as one row of their N real tokens (varlen layout; flash-attn conventions).
+
+    Sequence b is ``tokens[0, cu_seqlens[b]:cu_seqlens[b + 1]]``; attention must stay within each sequence.
+
+    Attributes:
+        tokens: [1, N] int64, the real tokens of rows 0..B-1 concatenated, no padding.
+        cu_seqlens: [B + 1] int32, cumulative sequence lengths, ``cu_seqlens[0] == 0`` and ``cu_seqlens[B] == N``.
+        position_ids: [1, N] int64, each token's position in its own sequence (restarts at 0 per sequence).
+        max_seqlen: the longest sequence's length (flash-attn's ``max_seqlen``), a host int.
+    """
+
+    tokens: Tensor
+    cu_seqlens: Tensor
+    position_ids: Tensor
+    max_seqlen: int
+
+
+def pack_sequences(tokens: Tensor, attention_mask: Tensor) -> PackedSequences:
+    """Concatenate the real tokens of right-padded rows (``TrainBatch.tokens``) into one packed row.
+
+    Args:
+        tokens: [B, L] int64, right-padded ids.
+        attention_mask: [B, L] bool/int, True (nonzero) at real tokens: a prefix of each row.
+    Returns: ``PackedSequences`` on ``tokens.device``; a row with no real token is an empty sequence.
+    Raises: ValueError if the shapes differ or a row's mask is not a prefix (left padding or holes).
+    """
+    if tokens.shape != attention_mask.shape or tokens.dim() != 2:
+        raise ValueError(
+            f"pack_sequences needs tokens and attention_mask of one [B, L] shape, got {tuple(tokens.shape)} "
+            f"and {tuple(attention_mask.shape)}"
+        )
+    real = attention_mask.bool()
+    seq_lengths = real.sum(dim=1)  # [B]
+    columns = torch.arange(tokens.shape[1], device=tokens.device)
+    prefix = columns[None, :] < seq_lengths[:, None]  # [B, L], what a right-padded mask must be
+    if not torch.equal(real, prefix):  # host sync; packing needs N on the host anyway
+        bad = int((real != prefix).any(dim=1).nonzero()[0])
+        raise ValueError(
+            f"pack_sequences needs right-padded rows, but attention_mask row {bad} is not a prefix of True: "
+            f"{real[bad].int().tolist()}; pack TrainBatch rows (build_train_batch right-pads) or move padding right"
+        )
+    cu_seqlens = torch.zeros(tokens.shape[0] + 1, dtype=torch.int32, device=tokens.device)
+    cu_seqlens[1:] = seq_lengths.cumsum(0)
+    # Boolean indexing walks rows in order, so row b's tokens land at cu_seqlens[b]:cu_seqlens[b + 1].
+    return PackedSequences(
+        tokens=tokens[real][None, :],
+        cu_seqlens=cu_seqlens,
+        position_ids=columns.expand_as(real)[real][None, :],
+        max_seqlen=int(seq_lengths.max()) if tokens.shape[0] > 0 else 0,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from miles.core.algorithms.advantages import GROUP_BASELINE_ESTIMATORS
+from miles.core.algorithms.registry import ESTIMATORS, POLICY_LOSSES
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -106,10 +106,9 @@ class EvalConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling used for evaluation.")
 
 
-AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "opd"
-]
-PolicyLoss = Literal["ppo", "gspo", "cispo", "sft"]
+# The choices come from the registry (miles.core.algorithms.registry), the only place a name is matched.
+AdvantageEstimator = Literal[tuple(ESTIMATORS)]  # type: ignore[valid-type]
+PolicyLoss = Literal[tuple(POLICY_LOSSES)]  # type: ignore[valid-type]
 
 # Plugin keys of AlgorithmConfig and the positional arguments their callables must accept.
 PLUGIN_ARITY = {
@@ -278,24 +277,27 @@ class AlgorithmConfig(_Section):
                 f"algorithm.clip_high ({self.clip_high}) is below algorithm.clip_low ({self.clip_low}); clip-higher "
                 "(DAPO) raises the upper bound, never lowers it. Set --algorithm.clip-high >= clip_low."
             )
-        if self.dual_clip_c and (self.dual_clip_c <= 1.0 or self.policy_loss != "ppo"):
+        if self.dual_clip_c and (
+            self.dual_clip_c <= 1.0 or "dual_clip_c" not in POLICY_LOSSES[self.policy_loss].params
+        ):
             raise ValueError(
                 f"algorithm.dual_clip_c is {self.dual_clip_c} with policy_loss {self.policy_loss!r}; dual clip caps "
                 "ppo's loss at c*|A| and needs c > 1 to leave the clipped objective intact. Set "
                 "--algorithm.dual-clip-c 3 with --algorithm.policy-loss ppo, or 0 to disable."
             )
-        if self.advantage_estimator == "opd" and not self.teacher_path:
+        estimator = ESTIMATORS[self.advantage_estimator]
+        if "teacher_log_probs" in estimator.needs and not self.teacher_path:
             raise ValueError(
                 "algorithm.advantage_estimator is 'opd' but algorithm.teacher_path is empty: on-policy distillation "
                 "needs a teacher's log-probs. Set --algorithm.teacher-path /path/to/teacher (same tokenizer)."
             )
-        if self.teacher_path and self.advantage_estimator != "opd" and not self.advantage_estimator_path:
+        if self.teacher_path and "teacher_log_probs" not in estimator.needs and not self.advantage_estimator_path:
             raise ValueError(
                 f"algorithm.teacher_path is set but advantage_estimator is {self.advantage_estimator!r}, which never "
                 "reads teacher log-probs, so the teacher would be loaded for nothing. Set "
                 "--algorithm.advantage-estimator opd, or drop --algorithm.teacher-path."
             )
-        if self.critic_path and self.advantage_estimator != "gae":
+        if self.critic_path and not estimator.critic:
             raise ValueError(
                 f"algorithm.critic_path is set but advantage_estimator is {self.advantage_estimator!r}; only 'gae' "
                 "uses a critic. Set --algorithm.advantage-estimator gae, or drop --algorithm.critic-path."
@@ -339,8 +341,8 @@ def check_group_size(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None
     Raises: ValueError naming the key, the value, why nothing would be learned and the fix.
     """
     n, estimator = rollout.n_samples_per_prompt, algorithm.advantage_estimator
-    group_baseline = estimator in GROUP_BASELINE_ESTIMATORS and not algorithm.advantage_estimator_path
-    if group_baseline and algorithm.policy_loss != "sft" and n < 2:
+    group_baseline = ESTIMATORS[estimator].group_baseline and not algorithm.advantage_estimator_path
+    if group_baseline and not POLICY_LOSSES[algorithm.policy_loss].supervised and n < 2:
         raise ValueError(
             f"rollout.n_samples_per_prompt is {n}, but advantage '{estimator}' needs at least 2: its baseline "
             "is the group (the mean of the prompt's samples), so a group of one always gets advantage 0 and "

@@ -1,9 +1,40 @@
-"""Log-probs of response tokens from full-sequence logits (the trainer's side of engine/trainer agreement)."""
+"""Log-probs of response tokens from full-sequence logits (the trainer's side of engine/trainer agreement).
+
+Two forward layouts give the same [B, T] result: ``model_response_log_probs`` runs the padded [B, L] rows,
+``packed_model_response_log_probs`` the N real tokens packed into one row (no compute on padding).
+"""
 
 from __future__ import annotations
 
 import torch
+from miles.core.batch import pack_sequences
 from torch import Tensor
+
+# Attention implementations that keep packed sequences apart (transformers 5.x). eager/sdpa/flex: the causal mask
+# is built from ``position_ids`` when ``attention_mask`` is None and there is no cache (masking_utils.py,
+# ``_preprocess_mask_arguments`` -> ``find_packed_sequence_indices`` -> ``packed_sequence_mask_function``).
+# flash_attention_*: varlen kernels over the ``cu_seq_lens_*`` kwargs (modeling_flash_attention_utils.py).
+_PACKED_MASK_ATTENTION = ("eager", "sdpa", "flex_attention")
+
+
+def _scaled_token_log_probs(
+    logits: Tensor, targets: Tensor, *, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """log softmax(logits / temperature)[target] over the last axis, and optionally the entropy.
+
+    Args:
+        logits: [..., V] float (any dtype; upcast to float32), one row per scored token.
+        targets: [...] int64 token ids to score.
+    Returns: log_probs [...] float32 nats; entropy [...] float32 or None. Both carry grad if ``logits`` does.
+    """
+    scaled = logits.float() / temperature
+    log_z = torch.logsumexp(scaled, dim=-1)
+    log_probs = scaled.gather(-1, targets[..., None]).squeeze(-1) - log_z
+    entropy = None
+    if with_entropy:
+        log_p = scaled - log_z[..., None]
+        entropy = -(log_p.exp() * log_p).sum(dim=-1)
+    return log_probs, entropy
 
 
 def response_log_probs(
@@ -39,15 +70,8 @@ def response_log_probs(
     pred_pos = (prompt_lengths[:, None] - 1 + cols[None, :]).clamp(max=seq_len - 2)  # [B, T]
     logit_pos = (pred_pos - logits_offset).clamp(min=0, max=num_logits - 1)
     resp_logits = logits.gather(1, logit_pos[..., None].expand(batch, num_response_columns, vocab))  # [B, T, V]
-    resp_logits = resp_logits.float() / temperature
-    log_z = torch.logsumexp(resp_logits, dim=-1)  # [B, T]
     targets = tokens.gather(1, pred_pos + 1)  # [B, T]
-    log_probs = resp_logits.gather(-1, targets[..., None]).squeeze(-1) - log_z
-    entropy = None
-    if with_entropy:
-        log_p = resp_logits - log_z[..., None]
-        entropy = -(log_p.exp() * log_p).sum(dim=-1)
-    return log_probs, entropy
+    return _scaled_token_log_probs(resp_logits, targets, temperature=temperature, with_entropy=with_entropy)
 
 
 def model_response_log_probs(
@@ -85,6 +109,77 @@ def model_response_log_probs(
         with_entropy=with_entropy,
         logits_offset=offset,
     )
+
+
+def packed_model_response_log_probs(
+    model: torch.nn.Module,
+    tokens: Tensor,
+    attention_mask: Tensor,
+    prompt_lengths: Tensor,
+    *,
+    num_response_columns: int,
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``model_response_log_probs`` with the forward on the packed (varlen) layout: same inputs, same [B, T] outputs.
+
+    The B right-padded rows become one row of their N real tokens (``pack_sequences``) with per-sequence
+    ``position_ids``, so no compute goes to padding; attention stays within each sequence (see
+    ``_PACKED_MASK_ATTENTION``). Only the M = sum(response_lengths) predicting positions reach the LM head.
+
+    Args:
+        model: HF causal LM (or an FSDP2-sharded one) accepting ``position_ids``, ``logits_to_keep`` as a 1-D
+            index tensor, and the flash varlen kwargs; its ``config._attn_implementation`` must be eager, sdpa,
+            flex_attention or a flash_attention variant.
+        tokens: [B, L] int64, right-padded; attention_mask: [B, L] bool/int, a prefix of True per row;
+        prompt_lengths: [B] int64, p_b >= 1.
+        num_response_columns, temperature, with_entropy: as in ``response_log_probs``.
+    Returns: log_probs [B, T] float32 nats; entropy [B, T] float32 or None; both equal to
+        ``model_response_log_probs`` within float rounding on each row's first ``response_lengths[b]`` columns and
+        exactly 0 past them (the padded path leaves unspecified values there; mask them either way). Carry grad.
+    Raises: ValueError for another attention implementation (it would attend across sequences) or left padding.
+    """
+    attn_impl = model.config._attn_implementation
+    if attn_impl not in _PACKED_MASK_ATTENTION and "flash" not in attn_impl:
+        raise ValueError(
+            f"train.batch_layout 'packed' needs an attention implementation that keeps packed sequences apart "
+            f"(eager, sdpa, flex_attention, flash_attention_*), but the model uses {attn_impl!r}, whose mask "
+            "transformers would not build from position_ids: tokens would attend across sequences. "
+            "Load the model with attn_implementation='sdpa' or set --train.batch-layout padded."
+        )
+    packed = pack_sequences(tokens, attention_mask)
+    batch = tokens.shape[0]
+    seq_starts = packed.cu_seqlens[:-1].long()  # [B]
+    response_lengths = packed.cu_seqlens.diff().long() - prompt_lengths  # [B]
+    cols = torch.arange(num_response_columns, device=tokens.device)
+    is_response = cols[None, :] < response_lengths[:, None]  # [B, T], the columns with a real response token
+    # Response token t of row b sits at packed index start_b + p_b + t and is predicted by the index before it.
+    pred_pos = (seq_starts + prompt_lengths - 1)[:, None] + cols[None, :]  # [B, T]
+    keep = pred_pos[is_response]  # [M], ascending (row-major), so [M] results scatter back in the same order
+    # attention_mask=None and use_cache=False are what make transformers derive the block-diagonal causal mask from
+    # the restarting position_ids (a 2-D mask or a cache disables that detection). The cu_seq_lens/max_length
+    # kwargs are what flash varlen kernels read (else they re-derive them with a host sync per layer); eager/sdpa
+    # ignore them. The top module is called, so FSDP2's pre/post-forward hooks run as usual.
+    logits = model(
+        input_ids=packed.tokens,
+        position_ids=packed.position_ids,
+        attention_mask=None,
+        use_cache=False,
+        logits_to_keep=keep,
+        cu_seq_lens_q=packed.cu_seqlens,
+        cu_seq_lens_k=packed.cu_seqlens,
+        max_length_q=packed.max_seqlen,
+        max_length_k=packed.max_seqlen,
+    ).logits  # [1, M, V]
+    targets = packed.tokens[0, keep + 1]  # [M]
+    token_log_probs, token_entropy = _scaled_token_log_probs(
+        logits[0], targets, temperature=temperature, with_entropy=with_entropy
+    )  # [M] each
+    log_probs = token_log_probs.new_zeros(batch, num_response_columns).masked_scatter(is_response, token_log_probs)
+    entropy = None
+    if with_entropy:
+        entropy = token_entropy.new_zeros(batch, num_response_columns).masked_scatter(is_response, token_entropy)
+    return log_probs, entropy
 
 
 def warn_if_slow_bf16(dtype: torch.dtype, logger, *, where: str) -> None:

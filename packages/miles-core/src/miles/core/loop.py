@@ -3,6 +3,7 @@ rollout -> reward -> filter -> advantages -> (ref/old log-probs) -> train -> pus
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import statistics
@@ -11,19 +12,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from miles.core.algorithms.advantages import (
-    LOG_PROB_ESTIMATORS,
-    AdvantageInputs,
-    AdvantageParams,
-    compute_advantages,
-)
+from miles.core.algorithms.advantages import AdvantageInputs, AdvantageParams, compute_advantages
 from miles.core.algorithms.masking import (
     has_trainable_tokens,
     overlong_filter_keep,
     overlong_penalty,
     response_mask,
 )
+from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.batch import TrainBatch, build_train_batch
+from miles.core.buffer import RolloutGroups, collect_groups
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
 from miles.core.logs import warn_once
 from miles.core.plugins import load_plugin
@@ -34,10 +32,10 @@ from miles.core.protocols import (
     RewardFn,
     RolloutFn,
     TrainBackend,
-    WeightPusher,
+    WeightPublisher,
 )
 from miles.core.rewards import score_samples
-from miles.core.sample import Sample, SampleStatus, group_samples
+from miles.core.sample import Sample, SampleStatus
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +51,7 @@ class Components:
     rollout_fn: RolloutFn
     reward_fn: RewardFn
     backend: TrainBackend
-    weight_pusher: WeightPusher
+    publisher: WeightPublisher  # trainer weights -> engines, one version per step
     sink: MetricsSink
     eval_prompts: Sequence[Sample] = ()
     save_checkpoint: Callable[[int], None] | None = None  # called with the number of completed steps
@@ -83,12 +81,13 @@ def train_sync(
     """
     check_group_size(rollout, algorithm)
     c = components
+    objective = PolicyObjective(algorithm, max_new_tokens=rollout.sampling.max_new_tokens)
     if evaluation.num_prompts and c.eval_prompts and start_step == 0:
         c.sink.log(evaluate(c, evaluation), step=0)
     for step in range(start_step, loop.num_steps):
         if c.should_stop():  # asked before this step began (e.g. during the step-0 eval): nothing new to save
             return step
-        metrics = run_step(c, step=step, rollout=rollout, algorithm=algorithm)
+        metrics = run_step(c, step=step, rollout=rollout, algorithm=algorithm, objective=objective)
         last = step + 1 == loop.num_steps
         if (
             c.eval_prompts
@@ -106,8 +105,20 @@ def train_sync(
     return loop.num_steps
 
 
-def run_step(c: Components, *, step: int, rollout: RolloutConfig, algorithm: AlgorithmConfig) -> dict[str, float]:
-    """One rollout step: generate (+ dynamic sampling), score, shape, advantages, train, push weights."""
+def run_step(
+    c: Components,
+    *,
+    step: int,
+    rollout: RolloutConfig,
+    algorithm: AlgorithmConfig,
+    objective: PolicyObjective | None = None,
+) -> dict[str, float]:
+    """One rollout step: generate (+ dynamic sampling), score, shape, advantages, train, publish weights.
+
+    ``objective`` is built from ``algorithm`` when not given (``train_sync`` builds it once per run).
+    """
+    if objective is None:
+        objective = PolicyObjective(algorithm, max_new_tokens=rollout.sampling.max_new_tokens)
     t0 = time.perf_counter()
     samples, num_failed, filter_metrics = collect_samples(c, step=step, rollout=rollout, algorithm=algorithm)
     t_rollout = time.perf_counter() - t0
@@ -129,8 +140,9 @@ def run_step(c: Components, *, step: int, rollout: RolloutConfig, algorithm: Alg
     if algorithm.advantage_estimator_path:
         estimator = load_plugin(algorithm.advantage_estimator_path, key="algorithm.advantage_estimator_path")
     kl_in_reward = algorithm.kl_coef > 0.0 and algorithm.kl_mode == "reward"
-    if estimator in LOG_PROB_ESTIMATORS or not isinstance(estimator, str) or kl_in_reward:
-        batch = c.backend.compute_log_probs(batch)  # old/ref/teacher log-probs and critic values
+    outputs = objective.advantage_outputs(c.backend.available_outputs)
+    if outputs:  # old/ref/teacher log-probs and critic values, as the estimator needs them
+        batch = c.backend.forward(batch, outputs=outputs)
     inputs = AdvantageInputs(
         rewards=rewards,
         group_index=torch.tensor([s.group_index for s in samples], dtype=torch.int64),
@@ -153,11 +165,11 @@ def run_step(c: Components, *, step: int, rollout: RolloutConfig, algorithm: Alg
     batch = batch.replace(advantages=advantages, returns=returns)
 
     t1 = time.perf_counter()
-    train_metrics = _train_on(c.backend, batch, rollout.steps_per_rollout)
+    train_metrics = _train_on(c.backend, batch, objective, rollout.steps_per_rollout)
     t_train = time.perf_counter() - t1
 
     t2 = time.perf_counter()
-    version = c.weight_pusher.push(c.backend.export_weights())
+    version = c.publisher.publish()
     t_sync = time.perf_counter() - t2
 
     metrics = rollout_metrics(samples, scores[torch.tensor(scored)])
@@ -190,7 +202,10 @@ def collect_samples(
     """Generate and score ``rollout_batch_size`` groups; with dynamic sampling, keep only groups that pass the
     filter (default: rewards not all equal) and generate more, for at most ``dynamic_sampling_max_rounds`` rounds.
 
-    Returns: (samples, number of failed samples, filter metrics: dynamic_sampling/{rounds, filtered_groups}).
+    Samples come in prompt order, numbered by position (``miles.core.buffer.collect_groups``), and each is sampled
+    with the seed of its position in its round, whatever order the groups complete in.
+    Returns: (samples, number of failed samples (ABORTED ones are not), filter metrics:
+        dynamic_sampling/{rounds, filtered_groups}).
     Raises: RuntimeError naming the counts when dynamic sampling cannot fill the batch in its rounds.
     """
     group_filter = _keeps_signal
@@ -202,16 +217,23 @@ def collect_samples(
     for round_index in range(num_rounds):
         missing = rollout.rollout_batch_size - len(kept)
         num_prompts = missing if round_index == 0 else math.ceil(missing * algorithm.dynamic_sampling_over_sample)
-        samples = c.rollout_fn(
-            c.data_source.next_prompts(num_prompts),
-            n_samples_per_prompt=rollout.n_samples_per_prompt,
-            sampling=rollout.sampling,
-            seed=rollout.seed + 1_000_003 * step + 7_919 * round_index,
+        # The parts of the async loop with a buffer of one round: a producer runs the rollout function (adapted to
+        # groups: one call per round, so it still batches) into a bounded buffer; groups come back in prompt order.
+        seed = rollout.seed + 1_000_003 * step + 7_919 * round_index
+        groups = asyncio.run(
+            collect_groups(
+                c.data_source.next_prompts(num_prompts),
+                RolloutGroups(c.rollout_fn, seed=seed),
+                n_samples_per_prompt=rollout.n_samples_per_prompt,
+                sampling=rollout.sampling,
+                seed=seed,
+            )
         )
+        samples = [s for group in groups for s in group]
         num_failed += score_samples(samples, c.reward_fn)
         if not algorithm.dynamic_sampling:
             return samples, num_failed, {}
-        for group in group_samples(samples):
+        for group in groups:
             if len(kept) < rollout.rollout_batch_size and group_filter(group):
                 kept.append(group)
             else:
@@ -260,14 +282,32 @@ def shape_rewards(
     return rewards
 
 
-def _train_on(backend: TrainBackend, batch: TrainBatch, steps_per_rollout: int) -> dict[str, float]:
+def _train_on(
+    backend: TrainBackend, batch: TrainBatch, objective: PolicyObjective, steps_per_rollout: int
+) -> dict[str, float]:
     """Split the rollout into ``steps_per_rollout`` optimizer steps; average their metrics."""
+    outputs = {name for name in objective.train_outputs if getattr(batch, name) is None}
     if steps_per_rollout > 1 and batch.old_log_probs is None:
         # Several optimizer steps per rollout: the PPO denominator must be the pre-update policy.
-        batch = backend.compute_log_probs(batch)
+        outputs.add("old_log_probs")
+    if outputs:  # once per rollout (the reference is frozen), not once per optimizer step
+        batch = backend.forward(batch, outputs=outputs)
     size = batch.batch_size // steps_per_rollout
-    per_step = [backend.train_step(batch.slice(i * size, (i + 1) * size)) for i in range(steps_per_rollout)]
+    per_step = [train_step(backend, batch.slice(i * size, (i + 1) * size), objective) for i in range(steps_per_rollout)]
     return {k: statistics.fmean(m[k] for m in per_step) for k in per_step[0]}
+
+
+def train_step(
+    backend: TrainBackend, batch: TrainBatch, objective: PolicyObjective, counts: LossCounts | None = None
+) -> dict[str, float]:
+    """One optimizer step on ``batch``: ``forward_backward`` then ``optimizer_step``; returns their metrics.
+
+    ``counts`` default to the batch's own (``batch`` is the whole global batch); a rank holding a shard passes
+    the global batch's.
+    """
+    metrics = backend.forward_backward(batch, objective, counts or LossCounts.of(batch))
+    metrics.update(backend.optimizer_step())
+    return metrics
 
 
 NO_SIGNAL_WARNING = (

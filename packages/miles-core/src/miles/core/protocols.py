@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import uuid
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -10,7 +11,6 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from miles.core.batch import TrainBatch
 from miles.core.config import SamplingConfig
 from miles.core.sample import Sample
-from torch import Tensor
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -20,27 +20,40 @@ class GenerateRequest:
     """One generation: token ids in (token-in-token-out: the engine never re-tokenizes).
 
     Attributes:
-        prompt_tokens: prompt ids, chat template already applied.
+        prompt_tokens: prompt ids, chat template already applied; at least one.
         sampling: temperature / top-p / top-k / max new tokens.
-        seed: per-request sampling seed; None = engine's generator state.
+        seed: this request's sampling seed: the same seed, prompt, settings and weights give the same response,
+            whatever the request is batched with. None = drawn from the engine's own generator state.
+        request_id: names the request in the engine (abort, logs) and in its output; a fresh uuid4 hex by default.
     """
 
     prompt_tokens: list[int]
     sampling: SamplingConfig
     seed: int | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @dataclass
 class GenerateOutput:
     """What the engine sampled for one request.
 
+    A request interrupted by ``Engine.pause("retract")`` and continued after a weight update is generated in
+    segments, one per uninterrupted stretch of decoding; each segment's tokens and log-probs come from the weights
+    the engine held while decoding it.
+
     Attributes:
         response_tokens: sampled ids, the stop token included when finish_reason is "stop".
         log_probs: one float (nats) per response token: log softmax(logits / temperature) of the sampled token,
-            before top-p/top-k truncation, i.e. the distribution the trainer recomputes.
-        finish_reason: "stop" (a stop token was sampled), "length" (max_new_tokens reached), "abort".
-        weight_version: version of the weights that generated it.
+            before top-p/top-k truncation, under the weights that sampled it (the distribution the trainer
+            recomputes).
+        finish_reason: "stop" (a stop token was sampled), "length" (max_new_tokens reached), "abort" (ended by
+            ``pause("abort")``: the response is the partial one sampled so far, possibly empty).
+        weight_version: the newest entry of ``weight_versions``; set from it when ``weight_versions`` is given.
         routed_experts: MoE routing decisions for replay (R3); None for dense models.
+        request_id: the request's ``request_id``.
+        weight_versions: the weight version of each generated segment, oldest first (one entry for a request that
+            was never retracted; an entry repeats if weights did not change between two segments). Default
+            ``[weight_version]``.
     """
 
     response_tokens: list[int]
@@ -48,38 +61,70 @@ class GenerateOutput:
     finish_reason: FinishReason
     weight_version: int = 0
     routed_experts: Any = field(default=None, repr=False)
+    request_id: str = ""
+    weight_versions: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.weight_versions:
+            self.weight_version = self.weight_versions[-1]
+        else:
+            self.weight_versions = [self.weight_version]
+
+
+PauseMode = Literal["abort", "retract", "keep"]
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """An inference engine (embedded HF model, vLLM or SGLang server behind an adapter)."""
+    """An inference engine (embedded HF model, vLLM or SGLang server behind an adapter), served per request.
+
+    Callers submit requests one at a time, concurrently (``asyncio.gather``); the engine batches them internally
+    (continuous batching in servers). Weight updates go between ``pause`` and ``resume``::
+
+        engine.pause("retract")  # or "abort" / "keep"
+        ... load weights v+1 ...; engine.flush_cache()
+        engine.resume()          # retracted requests continue under v+1
+    """
 
     @property
     def weight_version(self) -> int:
-        """Version of the weights the engine holds: 0 before any update, then the pusher's versions."""
+        """Version of the weights the engine holds: 0 before any update, then the publisher's versions."""
         ...
 
-    def generate(
-        self, requests: Sequence[GenerateRequest], *, on_finished: Callable[[int], None] | None = None
-    ) -> list[GenerateOutput]:
-        """One output per request, in request order. Raises RuntimeError while paused.
+    async def generate(
+        self, request: GenerateRequest, *, on_finished: Callable[[], None] | None = None
+    ) -> GenerateOutput:
+        """Sample a response for one request; returns when it is complete (or aborted).
 
-        ``on_finished``, for progress display only, is called with the number of requests whose response just
-        finished, as they finish; the counts sum to ``len(requests)``. Callers pass it only when they show
-        progress, so an engine that is never given one may leave it out.
+        While the engine is paused the request is queued and starts after ``resume``.
+        ``on_finished``, for progress display only, is called once when the response has finished sampling (it
+        may come before the output is returned, and from another thread); it changes nothing that is sampled.
+        Callers pass it only when they show progress, so an engine that is never given one may leave it out.
+        Raises: ValueError for an empty prompt; whatever the engine raised while generating the request.
         """
         ...
 
-    def pause(self) -> None:
-        """Stop accepting generation (before a weight update); in-flight work is finished or aborted."""
+    def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
+        """Stop generating (before a weight update); blocks until no batch is running, so weights may change.
+
+        Requests submitted while paused are held until ``resume``. Modes, for the requests already submitted:
+            abort: running and queued requests end now: their ``generate`` returns the partial output (tokens
+                and log-probs sampled so far, possibly none) with finish_reason "abort". Returns those outputs.
+            retract: running requests stop and go back to the front of the queue with what they sampled so far;
+                after ``resume`` they continue from there, so their final output spans two segments (two
+                ``weight_versions`` if the weights changed). Returns the partial outputs (their ``generate``
+                calls stay pending). Queued requests just wait.
+            keep: the running batch finishes normally (its requests return), queued requests wait. Returns [].
+        Requests that finished (stop token or max length) in the interrupted batch return normally.
+        """
         ...
 
     def resume(self) -> None:
-        """Accept generation again."""
+        """Generate again: held, queued and retracted requests start (under the weights now loaded)."""
         ...
 
     def flush_cache(self) -> None:
-        """Drop cached prefixes/KV computed with older weights."""
+        """Drop cached prefixes/KV computed with older weights (call between a weight update and ``resume``)."""
         ...
 
     def health(self) -> bool:
@@ -106,8 +151,8 @@ class DataSource(Protocol):
 class RolloutFn(Protocol):
     """Turns prompts into completed samples: n per prompt, sharing the prompt's ``group_index``.
 
-    Returned samples have ``tokens``, ``response_length``, ``rollout_log_probs``, ``status`` (COMPLETED or
-    TRUNCATED) and ``weight_version`` set; rewards are not yet computed.
+    Returned samples have ``tokens``, ``response_length``, ``rollout_log_probs``, ``status`` (COMPLETED, TRUNCATED,
+    ABORTED or FAILED) and ``weight_versions`` / ``weight_version`` set; rewards are not yet computed.
 
     ``on_finished``, for progress display only, is called with the number of samples that just finished
     (generated, or failed before generation), as they finish; the counts sum to the number of samples returned.
@@ -122,6 +167,28 @@ class RolloutFn(Protocol):
         n_samples_per_prompt: int,
         sampling: SamplingConfig,
         seed: int,
+        on_finished: Callable[[int], None] | None = None,
+    ) -> list[Sample]: ...
+
+
+class GroupGenerateFn(Protocol):
+    """Turns one prompt into its group of n samples; may run many turns (tools, environments) per sample.
+
+    Returns exactly ``n`` samples with the prompt's ``group_index``, ``label`` and ``metadata``, and ``tokens``,
+    ``response_length``, ``loss_mask``, ``rollout_log_probs``, ``status`` (COMPLETED, TRUNCATED, ABORTED, or FAILED
+    with ``metadata["failure"]``) and ``weight_versions`` / ``weight_version`` set; rewards are not yet computed.
+    ``index`` is set by the caller (the producer numbers samples by the prompt's position in its step).
+    ``seeds`` holds one sampling seed per sample, so a sample's response depends only on its seed, the prompt, the
+    settings and the weights, not on what else runs. ``on_finished`` is as in ``RolloutFn``.
+    """
+
+    async def __call__(
+        self,
+        prompt: Sample,
+        *,
+        n: int,
+        sampling: SamplingConfig,
+        seeds: Sequence[int],
         on_finished: Callable[[int], None] | None = None,
     ) -> list[Sample]: ...
 
@@ -145,18 +212,40 @@ class RewardFn(Protocol):
 
 
 class TrainBackend(Protocol):
-    """A training backend (FSDP2, Megatron-core) holding the policy (and reference) model and optimizer."""
+    """A training backend (FSDP2, Megatron-core) holding the policy (reference, teacher, critic) models and their
+    optimizers. It runs forward and backward only: the RL objective is given (``PolicyObjective``, built in
+    ``miles.core``), so no backend holds an RL formula. Collective methods are called on every rank.
 
-    def compute_log_probs(self, batch: TrainBatch) -> TrainBatch:
-        """Return the batch with ``old_log_probs`` (and ``ref_log_probs`` if a reference is held) set."""
+    Optional capabilities, looked up with ``getattr``: ``offload()`` / ``onload()`` (colocation: free accelerator
+    memory for the engines between phases), ``disable_adapters()`` (LoRA: the reference is the adapter-disabled
+    policy, not a second model).
+    """
+
+    @property
+    def available_outputs(self) -> frozenset[str]:
+        """The ``forward`` outputs this backend can compute (old_log_probs always; ref_log_probs,
+        teacher_log_probs, values when it holds the model)."""
         ...
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step over the whole batch (micro-batched inside); returns metrics."""
+    def forward(self, batch: TrainBatch, *, outputs: Collection[str]) -> TrainBatch:
+        """The batch with exactly the requested ``outputs`` set ([B, T] float32; no grad), nothing else computed.
+        Raises ValueError naming an output it cannot compute."""
         ...
 
-    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full (unsharded) weights as (HF name, tensor) pairs, for the engines."""
+    def forward_backward(self, batch: TrainBatch, objective: Any, counts: Any) -> dict[str, float]:
+        """Accumulate the gradients of ``objective`` (a ``PolicyObjective``; with a critic also its value
+        objective) over micro-batches of this rank's rows; ``counts`` (``LossCounts``) are the global loss
+        denominators of the optimizer step. Returns metrics reduced over ranks."""
+        ...
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Apply the accumulated gradients (guarded against NaN/inf), step the LR schedule, zero gradients;
+        returns grad_norm, lr, skipped_steps (and the critic's)."""
+        ...
+
+    def push_weights(self, version: int) -> None:
+        """Send the full weights as update ``version`` from the ranks that hold them (never through the driver);
+        raises if the engines rejected it (they keep their previous version)."""
         ...
 
     def save(self, path: Path) -> None:
@@ -168,11 +257,18 @@ class TrainBackend(Protocol):
         ...
 
 
-class WeightPusher(Protocol):
-    """Pushes named tensors to the engines (a ``miles.sync.WeightSender``); returns the new weight version."""
+class WeightPublisher(Protocol):
+    """Owns the weight version: moves the trainer's weights into the engines as one new version
+    (``miles.core.publisher.EnginePublisher`` is the implementation)."""
 
-    def push(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
-        """Send a complete update; returns its version (strictly increasing). Raises on a failed update."""
+    @property
+    def version(self) -> int:
+        """The version the engines hold: 0 before any publish (or the checkpoint's version after a resume)."""
+        ...
+
+    def publish(self) -> int:
+        """Publish the trainer's current weights as ``version + 1``; returns it. Raises on a failed update, and
+        the version stays."""
         ...
 
 

@@ -15,14 +15,17 @@ logger = logging.getLogger(__name__)
 
 
 def score_samples(samples: Sequence[Sample], reward_fn: RewardFn) -> int:
-    """Set ``sample.reward`` for every sample; returns how many failed.
+    """Set ``sample.reward`` for every sample that is not FAILED or ABORTED; returns how many failed (FAILED
+    before scoring or made FAILED here; ABORTED samples are skipped and not counted).
 
     A reward function that raises, or returns None / NaN / inf / a non-number, marks the sample FAILED with the
     reason in ``metadata["failure"]``; failed samples are excluded from advantages and the loss.
     """
     num_failed = 0
     for sample in samples:
-        if sample.status in (SampleStatus.FAILED, SampleStatus.ABORTED):
+        if sample.status == SampleStatus.ABORTED:  # cut off by the engine, not broken: neither scored nor failed
+            continue
+        if sample.status == SampleStatus.FAILED:
             num_failed += 1
             continue
         try:

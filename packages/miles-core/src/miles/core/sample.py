@@ -10,7 +10,10 @@ from typing import Any
 
 
 class SampleStatus(enum.StrEnum):
-    """Where a sample is in its life. ``TRUNCATED`` = the engine stopped at max length, not at a stop token."""
+    """Where a sample is in its life. ``TRUNCATED`` = the engine stopped at max length, not at a stop token.
+    ``ABORTED`` = its generation was cut off (``Engine.pause("abort")``, e.g. for a weight update): neither scored
+    nor trained, and not counted as failed (nothing went wrong with it). ``FAILED`` = bad input, engine output or
+    reward (``metadata["failure"]`` says which); counted in ``samples/failed``."""
 
     PENDING = "pending"
     COMPLETED = "completed"
@@ -22,6 +25,8 @@ class SampleStatus(enum.StrEnum):
 @dataclass
 class Sample:
     """One trajectory: a prompt and one sampled response, with everything the trainer needs from the rollout.
+
+    Plain data: it pickles (to Ray actors, buffers on disk) as long as ``label`` and ``metadata`` do.
 
     Attributes:
         index: position of this sample in its rollout batch.
@@ -35,7 +40,11 @@ class Sample:
             at sampling time (temperature-scaled, before top-p/top-k truncation).
         reward: scalar reward, or a dict of named rewards; None until scored.
         status: lifecycle status, see ``SampleStatus``.
-        weight_version: version of the weights the engine generated this sample with.
+        weight_version: the newest weight version its tokens came from (``weight_versions[-1]``; 0 before
+            generation); kept for code that reads one version.
+        weight_versions: every weight version its tokens came from, one per generated segment, oldest first:
+            one entry, or several for a partial rollout continued after a weight update (``pause("retract")``);
+            staleness is measured from the oldest. Empty before generation.
         rollout_routed_experts: MoE experts chosen at rollout, for routing replay (R3); None for dense models.
         teacher_log_probs: per response token, from a teacher model (on-policy distillation); else None.
         response_text: the response decoded by the policy's tokenizer (special tokens skipped), what rewards
@@ -55,6 +64,7 @@ class Sample:
     reward: float | dict[str, float] | None = None
     status: SampleStatus = SampleStatus.PENDING
     weight_version: int = 0
+    weight_versions: list[int] = field(default_factory=list)
     rollout_routed_experts: Any = None
     teacher_log_probs: list[float] | None = None
     response_text: str | None = None

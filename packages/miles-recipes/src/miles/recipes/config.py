@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miles.core.algorithms.registry import POLICY_LOSSES
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
 from miles.recipes.registry import MODELS
 from miles.rollout.config import DataConfig, EngineConfig, RewardConfig
@@ -76,7 +77,7 @@ class MilesConfig(BaseModel):
         """Refuse algorithm settings that would silently do nothing with this rollout shape."""
         algorithm = self.algorithm
         check_group_size(self.rollout, algorithm)  # group baselines and dynamic sampling need n >= 2
-        if (self.rollout.mode == "sft") != (algorithm.policy_loss == "sft"):
+        if (self.rollout.mode == "sft") != POLICY_LOSSES[algorithm.policy_loss].supervised:
             raise ValueError(
                 f"rollout.mode is {self.rollout.mode!r} but algorithm.policy_loss is {algorithm.policy_loss!r}: "
                 "supervised fine-tuning needs both (reference answers as responses, trained by likelihood), and "

@@ -118,16 +118,23 @@ def build_reward(reward: RewardConfig) -> RewardFn:
     return TimeLimitedReward(reward_fn, timeout_s=reward.timeout_s) if reward.timeout_s else reward_fn
 
 
-def algorithm_models(cfg: MilesConfig, model_path: Path) -> dict[str, Path | None]:
-    """The teacher and critic model directories the algorithm needs (registered names resolved), as backend kwargs."""
-    from miles.core.algorithms.advantages import CRITIC_ESTIMATORS
+def algorithm_models(cfg: MilesConfig, model_path: Path) -> dict[str, object]:
+    """The models the algorithm needs, as backend kwargs: a reference (KL), the teacher and critic directories
+    (registered names resolved) and their settings."""
+    from miles.core.algorithms.registry import ESTIMATORS
 
     algorithm = cfg.algorithm
     teacher = resolve_model_path(algorithm.teacher_path) if algorithm.teacher_path else None
     critic = None
-    if algorithm.advantage_estimator in CRITIC_ESTIMATORS and not algorithm.advantage_estimator_path:
+    if ESTIMATORS[algorithm.advantage_estimator].critic and not algorithm.advantage_estimator_path:
         critic = resolve_model_path(algorithm.critic_path) if algorithm.critic_path else model_path
-    return {"teacher_path": teacher, "critic_path": critic}
+    return {
+        "reference": algorithm.kl_coef > 0.0,
+        "teacher_path": teacher,
+        "teacher_temperature": algorithm.teacher_temperature,
+        "critic_path": critic,
+        "critic_lr": algorithm.critic_lr,
+    }
 
 
 def build_inputs(cfg: MilesConfig) -> tuple[RewardFn, DataSource, list]:
@@ -167,6 +174,7 @@ def run(
     Raises: RunSetupError for a user-caused build problem (see ``build_inputs``); KeyboardInterrupt on a
         second signal.
     """
+    from miles.core.publisher import EnginePublisher
     from miles.rollout.engines import EmbeddedEngine
     from miles.rollout.generate import ChatRollout
     from miles.rollout.sft import SFTRollout
@@ -193,12 +201,11 @@ def run(
         backend = FSDP2Backend(
             model_path,
             train=cfg.train,
-            algorithm=cfg.algorithm,
             temperature=cfg.rollout.sampling.temperature,
-            max_new_tokens=cfg.rollout.sampling.max_new_tokens,
+            weight_sink=WeightSender(InProcessTransport(engine.receiver)),
             **algorithm_models(cfg, model_path),
         )
-        sender = WeightSender(InProcessTransport(engine.receiver))
+        publisher = EnginePublisher(backend, [engine])
         logger.info(
             "loaded %s (engine %s, trainer %s) in %.1fs",
             model_path,
@@ -219,8 +226,8 @@ def run(
             state = restore_run_checkpoint(resume_from, backend=backend, data_source=data_source)
             start_step = state.step
             if state.weight_version > 0:  # the engine starts from model.path: give it the checkpoint's weights
-                sender.version = state.weight_version - 1  # so this push publishes the checkpoint's version
-                sender.push(backend.export_weights())
+                publisher = EnginePublisher(backend, [engine], version=state.weight_version - 1)
+                publisher.publish()  # as the checkpoint's version; the next step's publish continues from it
             _drop_metrics_after(run_dir / "metrics.jsonl", start_step)
             final.append(Path(resume_from))
             logger.info("resumed from %s at step %d (weights v%d)", resume_from, start_step, engine.weight_version)
@@ -255,7 +262,7 @@ def run(
             ),
             reward_fn=reward_fn,
             backend=backend,
-            weight_pusher=sender,
+            publisher=publisher,
             sink=sink,
             eval_prompts=eval_prompts,
             save_checkpoint=save,

@@ -1,12 +1,15 @@
-"""The default rollout function: chat-template prompts, n samples each, token-in-token-out through an engine."""
+"""The default group-generate and rollout functions: chat-template prompts, n samples each, token-in-token-out
+through an engine, one request per sample."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from miles.core.buffer import collect_groups
 from miles.core.config import SamplingConfig
 from miles.core.protocols import Engine, GenerateOutput, GenerateRequest
 from miles.core.sample import Sample, SampleStatus
@@ -45,8 +48,96 @@ def engine_output_problem(output: GenerateOutput) -> str | None:
     return None
 
 
+async def generate_group(
+    engine: Engine,
+    tokenizer: Any,
+    prompt: Sample,
+    *,
+    n: int,
+    sampling: SamplingConfig,
+    seeds: Sequence[int],
+    max_prompt_tokens: int = 2048,
+    on_finished: Callable[[int], None] | None = None,
+) -> list[Sample]:
+    """The default group-generate function (``GroupGenerateFn`` once engine and tokenizer are bound): renders the
+    prompt once and asks the engine for ``n`` single-turn responses concurrently, sample j with ``seeds[j]``.
+
+    A multi-turn function (tools, environments) has the same signature and returns the same kind of group.
+
+    Args:
+        engine: any ``miles.core.Engine``.
+        tokenizer: the policy's HF tokenizer (chat template); None if every prompt is given as token ids.
+        prompt: a pending sample from a ``DataSource`` (prompt, label, metadata, group_index).
+        n: samples in the group.
+        sampling: the engine's sampling settings.
+        seeds: one sampling seed per sample.
+        max_prompt_tokens: a longer prompt fails its samples (counted, not trained) instead of crashing.
+        on_finished: progress only: called with n at once when the prompt fails, else with 1 as each response
+            finishes (from the engine, which may call it from another thread).
+    Returns: n samples, index 0 .. n-1 (the producer renumbers them), status COMPLETED ("stop"), TRUNCATED
+        ("length"), ABORTED ("abort": cut off by ``Engine.pause``; the partial response is kept, not trained) or
+        FAILED (bad prompt or engine output, reason in ``metadata["failure"]``, response dropped).
+    Raises: ValueError if ``len(seeds) != n``; what the engine raised.
+    """
+    if len(seeds) != n:
+        raise ValueError(f"generate_group got {len(seeds)} seeds for n={n} samples; pass one seed per sample")
+    samples = [
+        Sample(index=j, group_index=prompt.group_index, prompt=prompt.prompt, label=prompt.label,
+               metadata=dict(prompt.metadata))
+        for j in range(n)
+    ]  # fmt: skip
+    try:
+        prompt_tokens = render_prompt(tokenizer, prompt.prompt)
+        if len(prompt_tokens) > max_prompt_tokens:
+            raise ValueError(f"prompt has {len(prompt_tokens)} tokens > max_prompt_tokens")
+    except ValueError as err:
+        for sample in samples:
+            sample.status = SampleStatus.FAILED
+            sample.metadata["failure"] = str(err)
+        if on_finished is not None:
+            on_finished(n)
+        return samples
+    # The callback goes to the engine only when given, so engines without progress support keep working.
+    progress = {"on_finished": lambda: on_finished(1)} if on_finished is not None else {}
+    outputs = await asyncio.gather(
+        *(engine.generate(GenerateRequest(prompt_tokens, sampling, seed=seed), **progress) for seed in seeds)
+    )
+    for sample, output in zip(samples, outputs):
+        sample.tokens = list(prompt_tokens)
+        _apply_output(sample, output, tokenizer)
+    return samples
+
+
+def _apply_output(sample: Sample, output: GenerateOutput, tokenizer: Any) -> None:
+    """Append an engine output to a sample holding its prompt tokens; set status, versions and text."""
+    sample.tokens = sample.tokens + output.response_tokens
+    sample.response_length = len(output.response_tokens)
+    sample.rollout_log_probs = list(output.log_probs)
+    sample.weight_versions = list(output.weight_versions)
+    sample.weight_version = output.weight_version
+    sample.rollout_routed_experts = output.routed_experts
+    sample.status = FINISH_STATUS[output.finish_reason]
+    sample.metadata["finish_reason"] = output.finish_reason
+    aborted_before_sampling = output.finish_reason == "abort" and not output.response_tokens
+    failure = None if aborted_before_sampling else engine_output_problem(output)
+    if failure is not None:  # counted in samples/failed, excluded from advantages and the loss
+        # Drop the response so no NaN or misaligned log-prob reaches the batch (masked rows still hold it).
+        sample.tokens, sample.response_length, sample.rollout_log_probs = sample.tokens[: sample.prompt_length], 0, []
+        sample.status = SampleStatus.FAILED
+        sample.metadata["failure"] = failure
+    elif tokenizer is not None and output.response_tokens:  # token-only rollouts (tokenizer=None) have no text
+        sample.response_text = tokenizer.decode(output.response_tokens, skip_special_tokens=True)
+
+
+FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
 class ChatRollout:
-    """``RolloutFn``: renders each prompt once, asks the engine for n samples, returns completed ``Sample``s.
+    """``RolloutFn`` built from the loop's parts: ``generate_group`` per prompt, run by the producer into a buffer
+    (``miles.core.buffer.collect_groups``); sample i of a call is sampled with ``sample_seed(seed, i)``.
+
+    ``generate_group`` is this rollout as a ``GroupGenerateFn``, for producers that run groups themselves.
+    Calling the rollout runs its own event loop, so it cannot be called from inside one (use ``generate_group``).
 
     Args:
         engine: any ``miles.core.Engine``.
@@ -59,6 +150,27 @@ class ChatRollout:
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
 
+    async def generate_group(
+        self,
+        prompt: Sample,
+        *,
+        n: int,
+        sampling: SamplingConfig,
+        seeds: Sequence[int],
+        on_finished: Callable[[int], None] | None = None,
+    ) -> list[Sample]:
+        """``GroupGenerateFn``: the module's ``generate_group`` with this rollout's engine and tokenizer."""
+        return await generate_group(
+            self.engine,
+            self.tokenizer,
+            prompt,
+            n=n,
+            sampling=sampling,
+            seeds=seeds,
+            max_prompt_tokens=self.max_prompt_tokens,
+            on_finished=on_finished,
+        )
+
     def __call__(
         self,
         prompts: Sequence[Sample],
@@ -68,60 +180,15 @@ class ChatRollout:
         seed: int,
         on_finished: Callable[[int], None] | None = None,
     ) -> list[Sample]:
-        """``RolloutFn``; ``on_finished`` counts failed prompts' samples at once and is handed to the engine."""
-        samples: list[Sample] = []
-        requests: list[GenerateRequest] = []
-        pending: list[Sample] = []
-        for prompt in prompts:
-            try:
-                prompt_tokens = render_prompt(self.tokenizer, prompt.prompt)
-                if len(prompt_tokens) > self.max_prompt_tokens:
-                    raise ValueError(f"prompt has {len(prompt_tokens)} tokens > max_prompt_tokens")
-                failure = None
-            except ValueError as err:
-                prompt_tokens, failure = [], str(err)
-            for _ in range(n_samples_per_prompt):
-                sample = Sample(
-                    index=len(samples),
-                    group_index=prompt.group_index,
-                    prompt=prompt.prompt,
-                    label=prompt.label,
-                    tokens=list(prompt_tokens),
-                    metadata=dict(prompt.metadata),
-                )
-                samples.append(sample)
-                if failure is not None:
-                    sample.status = SampleStatus.FAILED
-                    sample.metadata["failure"] = failure
-                    continue
-                pending.append(sample)
-                # One seed per request batch keeps a step reproducible; the engine's RNG varies the samples.
-                requests.append(GenerateRequest(prompt_tokens=prompt_tokens, sampling=sampling, seed=seed))
-        if on_finished is not None and len(samples) > len(pending):  # prompts that failed to render
-            on_finished(len(samples) - len(pending))
-        # The callback goes to the engine only when given, so engines without progress support keep working.
-        progress = {"on_finished": on_finished} if on_finished is not None else {}
-        outputs = self.engine.generate(requests, **progress) if requests else []
-        for sample, output in zip(pending, outputs):
-            sample.tokens = sample.tokens + output.response_tokens
-            sample.response_length = len(output.response_tokens)
-            sample.rollout_log_probs = list(output.log_probs)
-            sample.weight_version = output.weight_version
-            sample.rollout_routed_experts = output.routed_experts
-            sample.status = {
-                "stop": SampleStatus.COMPLETED,
-                "length": SampleStatus.TRUNCATED,
-                "abort": SampleStatus.ABORTED,
-            }[output.finish_reason]
-            sample.metadata["finish_reason"] = output.finish_reason
-            failure = engine_output_problem(output)
-            if failure is not None:  # counted in samples/failed, excluded from advantages and the loss
-                # Drop the response so no NaN or misaligned log-prob reaches the batch (masked rows still hold it).
-                prompt_tokens = sample.tokens[: sample.prompt_length]
-                sample.tokens, sample.response_length, sample.rollout_log_probs = prompt_tokens, 0, []
-                sample.status = SampleStatus.FAILED
-                sample.metadata["failure"] = failure
-                continue
-            if self.tokenizer is not None:  # token-only rollouts (tokenizer=None) have no text
-                sample.response_text = self.tokenizer.decode(output.response_tokens, skip_special_tokens=True)
-        return samples
+        """``RolloutFn``: samples in prompt order, index 0 .. len(prompts) * n - 1."""
+        groups = asyncio.run(
+            collect_groups(
+                prompts,
+                self.generate_group,
+                n_samples_per_prompt=n_samples_per_prompt,
+                sampling=sampling,
+                seed=seed,
+                on_finished=on_finished,
+            )
+        )
+        return [sample for group in groups for sample in group]

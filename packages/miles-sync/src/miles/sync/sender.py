@@ -84,12 +84,14 @@ class WeightSender:
         self.transport.commit(version, num_buckets)
         return num_buckets, nbytes
 
-    def push(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+    def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int | None = None) -> int:
         """Send one complete update and return its version once every receiver applied it.
 
         Args:
             named_tensors: ``(name, tensor)`` pairs, e.g. ``model.state_dict().items()``; any dtype, shape and device.
                 Tensors are read during the call only.
+            version: the update's version, for a caller that owns the counter (a ``WeightPublisher``, a resumed
+                run); it must exceed ``self.version``. Default ``self.version + 1``.
 
         Returns:
             The new weight version: 1 for the first push, then 2, 3, ...
@@ -98,8 +100,12 @@ class WeightSender:
             WeightUpdateError: if a receiver rejected the update (the message names the bucket and why); the
                 receivers keep the previous version and ``self.version`` does not advance.
             TimeoutError: if a remote receiver did not answer within the transport's timeout.
+            ValueError: if ``version`` is not greater than ``self.version``.
         """
-        version = self.version + 1
+        if version is None:
+            version = self.version + 1
+        elif version <= self.version:
+            raise ValueError(f"push version {version} is not newer than this sender's v{self.version}")
         attempts = self.retries + 1
         if attempts > 1 and iter(named_tensors) is named_tensors:
             logger.warning("retries=%d ignored: named_tensors is a one-shot iterator; pass a list", self.retries)

@@ -33,6 +33,12 @@ class TrainConfig(BaseModel):
         "with fp32 master weights, fp32 gradient reduction and optimizer (pure bf16 rounds away updates of ~1e-5); "
         "use it on GPUs, or CPUs with AVX512-BF16/AMX (on AVX2-only CPUs bf16 matmuls measured ~70x slower).",
     )
+    batch_layout: Literal["padded", "packed"] = Field(
+        "padded",
+        description="Layout of the trainer's forward passes. padded: right-padded rows [B, L]. packed: the rows' "
+        "tokens concatenated without padding (varlen, cu_seqlens), positions restarting per sequence, attention "
+        "kept within each sequence; equal results, less compute when lengths vary.",
+    )
     world_size: int = Field(
         1, ge=1, description="Data-parallel ranks (FSDP2 shards). 1 runs in-process; >1 needs torchrun/spawned ranks."
     )

@@ -4,8 +4,9 @@ Notation: B samples, T response columns (``TrainBatch`` layout); ``group_index[b
 groups may have unequal sizes (dynamic filtering or failed rewards shrink them). Every estimator returns per-token
 advantages [B, T] (per-sample values broadcast here, once) and, for GAE, the value targets (returns).
 
-``_ESTIMATORS`` is the only place an estimator name is matched; a custom estimator is a ``module:attr`` with the
-same signature as its entries, ``fn(inputs: AdvantageInputs, params: AdvantageParams) -> (advantages, returns)``.
+``miles.core.algorithms.registry.ESTIMATORS`` is the only place an estimator name is matched; a custom estimator is
+a ``module:attr`` with the same signature as its entries, ``fn(inputs: AdvantageInputs, params: AdvantageParams) ->
+(advantages, returns)``.
 """
 
 from __future__ import annotations
@@ -298,30 +299,6 @@ def _opd(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, None
 
 AdvantageFn = Callable[[AdvantageInputs, AdvantageParams], tuple[Tensor, Tensor | None]]
 
-_ESTIMATORS: dict[str, AdvantageFn] = {
-    "grpo": _grouped(lambda r, g, p: grpo_advantages(r, g, normalize_std=True, eps=p.eps)),
-    "dr_grpo": _grouped(lambda r, g, p: grpo_advantages(r, g, normalize_std=False)),
-    "rloo": _grouped(lambda r, g, p: rloo_advantages(r, g)),
-    "reinforce_plus_plus": _reinforce_pp(baseline=False),
-    "reinforce_plus_plus_baseline": _reinforce_pp(baseline=True),
-    "gae": _gae,
-    "opd": _opd,
-}
-
-# Estimators reading old/teacher log-probs or critic values: the loop has the backend compute them first.
-LOG_PROB_ESTIMATORS = ("gae", "opd")
-# Estimators that need a critic model.
-CRITIC_ESTIMATORS = ("gae",)
-# Estimators whose baseline is the group: a group of one sample has no signal.
-GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
-
-
-def get_estimator(name: str) -> AdvantageFn:
-    """The registered estimator called ``name``. Raises: ValueError naming the choices."""
-    if name not in _ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(_ESTIMATORS)}")
-    return _ESTIMATORS[name]
-
 
 def compute_advantages(
     inputs: AdvantageInputs, *, estimator: str | AdvantageFn, params: AdvantageParams
@@ -336,7 +313,9 @@ def compute_advantages(
     Returns: (advantages [B, T] float32, 0 off ``loss_mask``; returns [B, T] float32 value targets or None).
     Raises: ValueError for an unknown name or missing inputs; ValueError for a custom estimator's wrong shape.
     """
-    fn = get_estimator(estimator) if isinstance(estimator, str) else estimator
+    from miles.core.algorithms.registry import get_estimator  # the registry imports this module's estimators
+
+    fn = get_estimator(estimator).fn if isinstance(estimator, str) else estimator
     advantages, returns = fn(inputs, params)
     if advantages.shape != inputs.loss_mask.shape:
         raise ValueError(

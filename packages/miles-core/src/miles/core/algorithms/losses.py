@@ -1,10 +1,10 @@
 """Policy losses (per token), the critic's value loss, and their aggregation into one scalar.
 
 Policy losses share one signature, ``fn(log_probs, old_log_probs, advantages, loss_mask, params) -> (token_loss,
-clipped)`` with [B, T] tensors; ``_POLICY_LOSSES`` is the only place a loss name is matched, and a custom loss is a
-``module:attr`` with that signature. Aggregation takes the *global* denominators (tokens or sequences of the whole
-global batch, over all micro-batches and ranks) as arguments, so that summing micro-batch losses equals the loss of
-one big batch.
+clipped)`` with [B, T] tensors; ``miles.core.algorithms.registry.POLICY_LOSSES`` is the only place a loss name is
+matched, and a custom loss is a ``module:attr`` with that signature. Aggregation takes the *global* denominators
+(tokens or sequences of the whole global batch, over all micro-batches and ranks) as arguments, so that summing
+micro-batch losses equals the loss of one big batch.
 
 Masked positions (padding, tool tokens, filtered samples) are removed by selection (``torch.where``), never by
 multiplying with the mask: ``0 * x`` is NaN for x = NaN/inf, and in the backward pass the chain rule multiplies the
@@ -197,25 +197,6 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, *, clip: flo
 
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, LossParams], tuple[Tensor, Tensor]]
 
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {
-    "ppo": lambda lp, old, adv, mask, p: ppo_clip(
-        lp, old, adv, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip_c=p.dual_clip_c
-    ),
-    "gspo": lambda lp, old, adv, mask, p: gspo_loss(lp, old, adv, mask, clip_low=p.clip_low, clip_high=p.clip_high),
-    "cispo": lambda lp, old, adv, mask, p: cispo_loss(lp, old, adv, clip_low=p.clip_low, clip_high=p.clip_high),
-    "sft": lambda lp, old, adv, mask, p: sft_loss(lp),
-}
-
-# Losses whose token loss (and gradient) is exactly 0 where the advantage is 0: rows of zero advantage may be skipped.
-ADVANTAGE_WEIGHTED_LOSSES = frozenset({"ppo", "gspo", "cispo"})
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """The registered policy loss called ``name``. Raises: ValueError naming the choices."""
-    if name not in _POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(_POLICY_LOSSES)}")
-    return _POLICY_LOSSES[name]
-
 
 def aggregate(
     token_loss: Tensor,
@@ -348,7 +329,9 @@ def policy_loss(
             normalizer=normalizer,
         )
 
-    loss_fn = get_policy_loss(loss) if isinstance(loss, str) else loss
+    from miles.core.algorithms.registry import get_policy_loss  # the registry imports this module's losses
+
+    loss_fn = get_policy_loss(loss).fn if isinstance(loss, str) else loss
     # Selection, not multiplication (see the module docstring): every per-token input is 0 at masked slots, so a
     # NaN/inf there (padding, a filtered sample) changes neither the loss nor any gradient.
     log_probs, old_log_probs, advantages = (zero_masked(t, loss_mask) for t in (log_probs, old_log_probs, advantages))

@@ -1,41 +1,96 @@
-"""The embedded engine: an in-process HF transformers model that samples batches with per-token log-probs.
+"""The embedded engine: an in-process HF transformers model that serves requests one by one and batches them.
 
 It is the CPU default and the reference for engine/trainer numerics: log-probs are log softmax(logits / T) of the
 sampled token, computed from the same model the trainer holds, before top-p/top-k truncation.
+
+Requests are queued; a worker thread drains the queue into batches of up to ``max_batch_size`` requests with
+equal sampling settings and runs HF ``generate`` on each. Every row samples with its own ``torch.Generator``
+(seeded from its request's seed), so a request's response does not depend on what it was batched with.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 from miles.core.config import SamplingConfig
 from miles.core.log_probs import model_response_log_probs, warn_if_slow_bf16
-from miles.core.protocols import GenerateOutput, GenerateRequest
+from miles.core.protocols import FinishReason, GenerateOutput, GenerateRequest, PauseMode
 from miles.sync import WeightReceiver
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PAUSE_MODES = ("abort", "retract", "keep")
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request inside the engine: its generator and what its earlier segments generated (after a retract)."""
+
+    request: GenerateRequest
+    future: concurrent.futures.Future
+    generator: torch.Generator
+    on_finished: Callable[[], None] | None
+    response_tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    started: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        """Prompt plus the response so far: what the next segment continues."""
+        return self.request.prompt_tokens + self.response_tokens
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The request's settings with ``max_new_tokens`` reduced by what earlier segments generated."""
+        sampling = self.request.sampling
+        if not self.response_tokens:
+            return sampling
+        return sampling.model_copy(update={"max_new_tokens": sampling.max_new_tokens - len(self.response_tokens)})
+
+    def add_segment(self, tokens: list[int], log_probs: list[float], version: int) -> None:
+        self.response_tokens += tokens
+        self.log_probs += log_probs
+        self.weight_versions.append(version)
+
+    def output(self, finish_reason: FinishReason) -> GenerateOutput:
+        return GenerateOutput(
+            response_tokens=list(self.response_tokens),
+            log_probs=list(self.log_probs),
+            finish_reason=finish_reason,
+            request_id=self.request.request_id,
+            weight_versions=list(self.weight_versions),
+        )
 
 
 class EmbeddedEngine:
-    """Batched sampling with an HF causal LM in this process.
+    """An ``Engine`` over an HF causal LM in this process, batching concurrent requests.
 
     Args:
         model_path: HF model directory (config.json + safetensors).
         dtype: "fp32" or "bf16" for the engine's weights and compute.
-        max_batch_size: sequences per ``generate`` call; larger requests are chunked.
+        max_batch_size: most requests decoded together in one ``model.generate`` call.
         stop_token_ids: ids that end a response (finish_reason "stop"); default the model's eos ids.
         logprob_mode: "prefill" (default) rescores prompt + response in one right-padded forward pass, the
             computation the trainer does, so fp32 engine and trainer log-probs agree to ~1e-6; "decode" keeps
             the logits of the KV-cached decode steps (what server engines return; ~3e-5 apart in fp32).
-    Raises: ValueError for an unknown dtype or a path without a model.
+    Raises: ValueError for an unknown dtype or logprob_mode, max_batch_size < 1, or a path without a model.
+
+    Requests with ``seed`` None draw their seed from the engine's generator, seeded once from torch's global RNG
+    at construction (``torch.manual_seed`` before building makes them reproducible too). Weights change only
+    between batches (``load_weights`` waits for a running one); update them between ``pause`` and ``resume`` so
+    that no batch starts in the middle of an update and every segment is tagged with the version that made it.
     """
 
     def __init__(
@@ -51,6 +106,10 @@ class EmbeddedEngine:
 
         if dtype not in DTYPES:
             raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if logprob_mode not in ("prefill", "decode"):
+            raise ValueError(f"logprob_mode must be 'prefill' or 'decode', got {logprob_mode!r}")
+        if max_batch_size < 1:
+            raise ValueError(f"engine max_batch_size is {max_batch_size}; it must be >= 1")
         warn_if_slow_bf16(DTYPES[dtype], logger, where="engine.dtype")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).eval()
         self.model.requires_grad_(False)
@@ -61,68 +120,108 @@ class EmbeddedEngine:
             raise ValueError(f"model at {model_path} declares no eos token; pass stop_token_ids")
         self.stop_token_ids = list(stop_token_ids)
         self.max_batch_size = max_batch_size
-        if logprob_mode not in ("prefill", "decode"):
-            raise ValueError(f"logprob_mode must be 'prefill' or 'decode', got {logprob_mode!r}")
         self.logprob_mode = logprob_mode
         # Weight updates arrive through a miles-sync receiver: applied only once complete, then versioned.
         self.receiver = WeightReceiver(apply_fn=self.load_weights)
-        self._paused = threading.Event()
-        self._lock = threading.Lock()
+        self._seeds = torch.Generator().manual_seed(int(torch.randint(2**62, ())))  # for requests without a seed
+        self._model_lock = threading.Lock()  # held by a running batch and by load_weights
+        # Scheduler state, guarded by _state: submitted jobs wait in _incoming until the submitting event loop's
+        # turn ends (so concurrent submissions batch together), then in _queue until a batch takes them.
+        self._state = threading.Condition()
+        self._incoming: list[_Job] = []
+        self._queue: list[_Job] = []
+        self._running: list[_Job] = []
+        self._worker: threading.Thread | None = None  # runs while there is work, then exits
+        self._paused = False
+        self._pause_mode: PauseMode | None = None
+        self._interrupt = threading.Event()  # read by the running generate: stop decoding now
+        self._interrupted: list[GenerateOutput] = []  # partial outputs of the batch a pause interrupted
+        self.batch_sizes: deque[int] = deque(maxlen=10_000)  # requests per model.generate call, newest last
 
     # -- Engine protocol -------------------------------------------------------------------------
     @property
     def weight_version(self) -> int:
         return self.receiver.weight_version
 
-    def generate(
+    async def generate(
+        self, request: GenerateRequest, *, on_finished: Callable[[], None] | None = None
+    ) -> GenerateOutput:
+        """Sample a response for one request (``Engine.generate``).
+
+        Requests submitted in the same event-loop turn (``asyncio.gather``) are queued together, so they share
+        batches. ``on_finished`` is called from the worker thread once the response has finished sampling: inside
+        the decode loop when it samples a stop token, else after its batch.
+        Raises: ValueError for an empty prompt; the error of a failed batch.
+        """
+        if not request.prompt_tokens:
+            raise ValueError("a generate request has an empty prompt; every request needs at least one token")
+        with self._state:
+            seed = request.seed if request.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
+            generator = torch.Generator(device=self.model.device).manual_seed(seed)
+            job = _Job(request, concurrent.futures.Future(), generator, on_finished)
+            self._incoming.append(job)
+        asyncio.get_running_loop().call_soon(self._release)  # after the other submissions of this turn
+        return await asyncio.wrap_future(job.future)
+
+    def generate_batch(
         self, requests: Sequence[GenerateRequest], *, on_finished: Callable[[int], None] | None = None
     ) -> list[GenerateOutput]:
-        """Sample a response for each request; requests with equal sampling settings are batched together.
+        """Synchronous convenience for scripts and tests: all ``requests`` concurrently, outputs in request order.
 
-        Args:
-            requests: the generations to run.
-            on_finished: called from inside the decode loop with the number of sequences that just sampled a stop
-                token, and after each batch with the number that hit ``max_new_tokens``; for progress display, it
-                changes nothing that is sampled.
-        Raises: RuntimeError if the engine is paused.
+        ``on_finished`` is called with 1 as each request finishes sampling (progress only). Not for use inside a
+        running event loop (await ``generate`` there).
         """
-        if self._paused.is_set():
-            raise RuntimeError("engine is paused (a weight update is in progress); call resume() first")
-        outputs: list[GenerateOutput | None] = [None] * len(requests)
-        by_sampling: dict[SamplingConfig, list[int]] = {}
-        for i, request in enumerate(requests):
-            by_sampling.setdefault(request.sampling, []).append(i)
-        with self._lock:
-            for sampling, indices in by_sampling.items():
-                for start in range(0, len(indices), self.max_batch_size):
-                    chunk = indices[start : start + self.max_batch_size]
-                    seed = requests[chunk[0]].seed
-                    prompts = [requests[i].prompt_tokens for i in chunk]
-                    results = self._generate_batch(prompts, sampling, seed, on_finished=on_finished)
-                    for i, result in zip(chunk, results):
-                        outputs[i] = result
-        return outputs  # type: ignore[return-value]
+        progress = (lambda: on_finished(1)) if on_finished is not None else None
 
-    def pause(self) -> None:
-        self._paused.set()
+        async def run() -> list[GenerateOutput]:
+            return list(await asyncio.gather(*(self.generate(r, on_finished=progress) for r in requests)))
+
+        return asyncio.run(run())
+
+    def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
+        """``Engine.pause``: hold new batches and, for abort/retract, stop the running one after its current
+        decode step; blocks until no batch runs. Raises: ValueError for an unknown mode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        with self._state:
+            self._paused = True
+            if mode != "keep":
+                self._pause_mode = mode
+                self._interrupt.set()
+            self._state.wait_for(lambda: not self._running)
+            self._interrupt.clear()
+            self._pause_mode = None
+            outputs, self._interrupted = self._interrupted, []
+            aborted: list[_Job] = []
+            if mode == "abort":
+                aborted, self._queue, self._incoming = self._queue + self._incoming, [], []
+        for job in aborted:  # queued: empty outputs, or the partial ones of retracted requests
+            if job.started or job.future.set_running_or_notify_cancel():
+                outputs.append(self._finish(job, "abort"))
+        if outputs:
+            logger.debug("pause(%s): %d requests interrupted", mode, len(outputs))
+        return outputs
 
     def resume(self) -> None:
-        self._paused.clear()
+        with self._state:
+            self._paused = False
+            self._start_worker()
 
     def flush_cache(self) -> None:
-        """No-op: the embedded engine keeps no KV cache between calls."""
+        """No-op: the embedded engine keeps no KV cache between batches."""
 
     def health(self) -> bool:
         return True
 
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy (name, tensor) pairs into the model's parameters/buffers, casting to the engine dtype.
+        """Copy (name, tensor) pairs into the model's parameters/buffers, casting to the engine dtype; waits for
+        a running batch to end first.
 
         Raises: KeyError naming the first unknown tensor name; ValueError on a shape mismatch.
         """
-        state = self.model.state_dict()
-        with torch.no_grad():
+        with self._model_lock, torch.no_grad():
+            state = self.model.state_dict()
             for name, tensor in named_tensors:
                 if name not in state:
                     raise KeyError(f"weight update names {name!r}, which the engine model does not have")
@@ -131,20 +230,115 @@ class EmbeddedEngine:
                     raise ValueError(f"weight {name!r}: engine shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
                 target.copy_(tensor)
 
+    # -- scheduling ------------------------------------------------------------------------------
+    def _release(self) -> None:
+        """Move this turn's submissions into the queue, as one, and make sure the worker runs."""
+        with self._state:
+            self._queue += self._incoming
+            self._incoming = []
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        """Start the worker if there is work and none runs; call with ``_state`` held."""
+        if self._worker is None and self._queue and not self._paused:
+            self._worker = threading.Thread(target=self._work, name="embedded-engine", daemon=True)
+            self._worker.start()
+
+    def _next_batch(self) -> list[_Job]:
+        """Take up to ``max_batch_size`` queued jobs with the first job's sampling settings, in queue order; call
+        with ``_state`` held. Jobs whose caller cancelled them are dropped."""
+        sampling = self._queue[0].sampling
+        batch = [job for job in self._queue if job.sampling == sampling][: self.max_batch_size]
+        self._queue = [job for job in self._queue if job not in batch]
+        for job in batch:
+            job.started = job.started or job.future.set_running_or_notify_cancel()
+        return [job for job in batch if job.started]
+
+    def _work(self) -> None:
+        """Worker thread: run batches while jobs are queued and the engine is not paused, then exit."""
+        while True:
+            with self._state:
+                if self._paused or not self._queue:
+                    self._worker = None
+                    return
+                self._running = batch = self._next_batch()
+            try:
+                if batch:
+                    self._run_batch(batch)
+            except Exception as err:  # noqa: BLE001 - the batch's callers get the error; the engine goes on
+                logger.warning("a batch of %d requests failed: %r", len(batch), err)
+                with self._state:  # none of them is continued
+                    self._queue = [job for job in self._queue if job not in batch]
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(err)
+            with self._state:
+                self._running = []
+                self._state.notify_all()
+
+    def _run_batch(self, batch: list[_Job]) -> None:
+        """Generate one segment for every job; resolve finished jobs, and interrupted ones per the pause mode."""
+        jobs_by_row = dict(enumerate(batch))
+
+        def on_stop(rows: list[int]) -> None:
+            for row in rows:
+                if jobs_by_row[row].on_finished is not None:
+                    jobs_by_row[row].on_finished()
+
+        with self._model_lock:
+            version = self.weight_version
+            segments = self._generate_batch(
+                [job.context for job in batch],
+                batch[0].sampling,
+                [job.generator for job in batch],
+                on_stop=on_stop if any(job.on_finished is not None for job in batch) else None,
+            )
+        self.batch_sizes.append(len(batch))
+        with self._state:
+            retract = self._pause_mode == "retract"  # an "abort" finish means a pause interrupted the batch
+        finished: list[tuple[_Job, FinishReason]] = []
+        retracted: list[_Job] = []
+        for job, (tokens, log_probs, finish_reason) in zip(batch, segments):
+            job.add_segment(tokens, log_probs, version)
+            if finish_reason == "abort" and retract:
+                retracted.append(job)
+            else:
+                finished.append((job, finish_reason))
+        with self._state:  # retracted jobs go back to the front of the queue, to continue after resume
+            self._queue = retracted + self._queue
+            self._interrupted += [job.output("abort") for job in retracted]
+        for job, finish_reason in finished:
+            output = self._finish(job, finish_reason, counted=finish_reason == "stop")
+            if finish_reason == "abort":
+                with self._state:
+                    self._interrupted.append(output)
+
+    def _finish(self, job: _Job, finish_reason: FinishReason, *, counted: bool = False) -> GenerateOutput:
+        """Resolve a job's ``generate`` call; ``counted``: its ``on_finished`` was already called while decoding."""
+        output = job.output(finish_reason)
+        if job.on_finished is not None and not counted:
+            job.on_finished()
+        job.future.set_result(output)
+        return output
+
     # -- sampling --------------------------------------------------------------------------------
     @torch.no_grad()
     def _generate_batch(
         self,
         prompts: list[list[int]],
         sampling: SamplingConfig,
-        seed: int | None,
+        generators: list[torch.Generator],
         *,
-        on_finished: Callable[[int], None] | None = None,
-    ) -> list[GenerateOutput]:
-        from transformers import GenerationConfig, StoppingCriteriaList
+        on_stop: Callable[[list[int]], None] | None = None,
+    ) -> list[tuple[list[int], list[float], FinishReason]]:
+        """One ``model.generate`` over left-padded prompts; row b samples with ``generators[b]``.
 
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("a generate request has an empty prompt; every request needs at least one token")
+        Decoding stops early, for every row, once ``_interrupt`` is set. Returns per row (response tokens,
+        log-probs, finish reason): "stop" (stop token kept), "length" (``max_new_tokens``), or "abort" (cut off by
+        the interrupt).
+        """
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
         max_len = max(len(p) for p in prompts)
         pad_id = self.stop_token_ids[0]
         # Left padding: every prompt ends at the same column, so new tokens line up.
@@ -153,55 +347,49 @@ class EmbeddedEngine:
         for b, prompt in enumerate(prompts):
             input_ids[b, max_len - len(prompt) :] = torch.tensor(prompt)
             attention_mask[b, max_len - len(prompt) :] = 1
+        # Greedy search over RowSampler's one-hot scores: HF's argmax picks exactly the token RowSampler drew, and
+        # HF's own warpers and multinomial (which would use the global RNG) never run.
         config = GenerationConfig(
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,  # 0 disables (HF's default would be 50)
+            do_sample=False,
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.stop_token_ids,
             pad_token_id=pad_id,
             return_dict_in_generate=True,
             output_logits=self.logprob_mode == "decode",
         )
-        counter = StopCounter(self.stop_token_ids, on_finished) if on_finished is not None else None
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                generation_config=config,
-                stopping_criteria=StoppingCriteriaList([counter] if counter is not None else []),
-            )
-        if counter is not None:  # the rest ran to max_new_tokens
-            on_finished(len(prompts) - counter.num_stopped)
-        new_tokens = out.sequences[:, max_len:]  # [B, S]
+        criteria = [Interrupt(self._interrupt)]
+        if on_stop is not None:
+            criteria.append(StopCounter(self.stop_token_ids, on_stop))
+        out = self.model.generate(
+            input_ids=input_ids.to(self.model.device),
+            attention_mask=attention_mask.to(self.model.device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([RowSampler(sampling, generators)]),
+            stopping_criteria=StoppingCriteriaList(criteria),
+        )
+        new_tokens = out.sequences[:, max_len:].cpu()  # [B, S]
         stop = torch.isin(new_tokens, torch.tensor(self.stop_token_ids))
         lengths = [int(hits[0]) + 1 if len(hits) else new_tokens.shape[1] for hits in (row.nonzero() for row in stop)]
         if self.logprob_mode == "decode":
-            logits = torch.stack(out.logits, dim=1).float() / sampling.temperature  # [B, S, V], unprocessed
+            logits = torch.stack(out.logits, dim=1).float().cpu() / sampling.temperature  # [B, S, V], unprocessed
             log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
         else:
             responses = [new_tokens[b, :n].tolist() for b, n in enumerate(lengths)]
             log_probs = self.score(prompts, responses, temperature=sampling.temperature)
-        results = []
+        results: list[tuple[list[int], list[float], FinishReason]] = []
         for b, length in enumerate(lengths):
-            results.append(
-                GenerateOutput(
-                    response_tokens=new_tokens[b, :length].tolist(),
-                    log_probs=log_probs[b, :length].tolist(),
-                    finish_reason="stop" if bool(stop[b, length - 1]) else "length",
-                    weight_version=self.weight_version,
-                )
-            )
+            if bool(stop[b, length - 1]):
+                finish: FinishReason = "stop"
+            else:
+                finish = "length" if length == sampling.max_new_tokens else "abort"
+            results.append((new_tokens[b, :length].tolist(), log_probs[b, :length].tolist(), finish))
         return results
 
     @torch.no_grad()
     def score(self, prompts: list[list[int]], responses: list[list[int]], *, temperature: float) -> Tensor:
         """Log-probs of ``responses`` given ``prompts``: one right-padded forward pass, the trainer's layout.
 
-        Returns: [B, S] float32 nats, S = longest response; zeros past each response.
+        Returns: [B, S] float32 nats on the CPU, S = longest response; zeros past each response.
         """
         num, seq_len = len(prompts), max(len(p) + len(r) for p, r in zip(prompts, responses))
         width = max(1, max(len(r) for r in responses))
@@ -210,30 +398,73 @@ class EmbeddedEngine:
         for b, (prompt, response) in enumerate(zip(prompts, responses)):
             tokens[b, : len(prompt) + len(response)] = torch.tensor(prompt + response)
             attention_mask[b, : len(prompt) + len(response)] = 1
+        device = self.model.device
         log_probs, _ = model_response_log_probs(
             self.model,
-            tokens,
-            attention_mask,
-            torch.tensor([len(p) for p in prompts]),
+            tokens.to(device),
+            attention_mask.to(device),
+            torch.tensor([len(p) for p in prompts], device=device),
             num_response_columns=width,
             temperature=temperature,
         )
         lengths = torch.tensor([len(r) for r in responses])
-        return log_probs * (torch.arange(width)[None, :] < lengths[:, None])
+        return log_probs.float().cpu() * (torch.arange(width)[None, :] < lengths[:, None])
+
+
+class RowSampler:
+    """A transformers logits processor that samples every row with its own generator.
+
+    Row b's token is drawn from softmax(top_p(top_k(logits / temperature))) (HF's own warpers, in HF's order) with
+    ``generators[b]``; the returned scores are -inf everywhere except 0 at the drawn token, so greedy search
+    picks it. A row's draws therefore depend only on its generator, never on the other rows of the batch.
+
+    Args:
+        sampling: temperature, top_k (0 = off) and top_p (1.0 = off) of the batch.
+        generators: one per row, on the model's device.
+    """
+
+    def __init__(self, sampling: SamplingConfig, generators: Sequence[torch.Generator]) -> None:
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)])
+        if sampling.top_k:
+            self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+        self.generators = list(generators)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        """input_ids: [B, L] int64; scores: [B, V] float logits of the next token. Returns [B, V] float32."""
+        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1)  # [B, V]
+        tokens = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(self.generators)])
+        chosen = torch.full_like(probs, float("-inf"))
+        return chosen.scatter_(1, tokens[:, None], 0.0)
+
+
+class Interrupt:
+    """A transformers stopping criterion that stops every row once ``event`` is set (``EmbeddedEngine.pause``):
+    the running ``generate`` returns after the decode step in progress, with the tokens sampled so far."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs: object) -> Tensor:
+        """input_ids: [B, L] int64. Returns [B] bool, all ``event.is_set()``."""
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class StopCounter:
-    """A transformers stopping criterion that stops nothing: it counts the sequences that just sampled a stop token
-    and reports them to ``on_finished``, so progress shows inside one batched ``model.generate`` call.
+    """A transformers stopping criterion that stops nothing: it reports the rows that just sampled a stop token to
+    ``on_stop`` (a list of row indices), so progress shows inside one batched ``model.generate`` call.
 
     It returns all False, so ``generate`` stops, samples and pads exactly as without it. Once a sequence has
     stopped, ``generate`` pads it with ``pad_token_id`` (a stop token here): ``stopped`` keeps it from counting twice.
     It has no ``eos_token_id`` attribute on purpose: transformers reads one as "an EOS criterion is present".
     """
 
-    def __init__(self, stop_token_ids: Sequence[int], on_finished: Callable[[int], None]) -> None:
+    def __init__(self, stop_token_ids: Sequence[int], on_stop: Callable[[list[int]], None]) -> None:
         self.stop_token_ids = torch.tensor(list(stop_token_ids))
-        self.on_finished = on_finished
+        self.on_stop = on_stop
         self.stopped: Tensor | None = None  # [B] bool, set on the first decode step
 
     @property
@@ -246,8 +477,8 @@ class StopCounter:
         hit = torch.isin(input_ids[:, -1], self.stop_token_ids.to(input_ids.device))  # [B]
         if self.stopped is None:
             self.stopped = torch.zeros_like(hit)
-        num_new = int((hit & ~self.stopped).sum())  # host sync, once per decode step: generate syncs there too
+        new = (hit & ~self.stopped).nonzero().flatten().tolist()  # host sync, once per decode step: generate syncs too
         self.stopped |= hit
-        if num_new:
-            self.on_finished(num_new)
+        if new:
+            self.on_stop(new)
         return torch.zeros_like(hit)

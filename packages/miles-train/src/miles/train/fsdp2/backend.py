@@ -1,4 +1,5 @@
-"""FSDP2 training backend over an HF causal LM: log-probs, PPO/GRPO train steps, weight export, checkpoints."""
+"""FSDP2 training backend over an HF causal LM: forward passes, forward/backward of a given objective, optimizer
+steps, weight pushes and checkpoints. It holds models and optimizers; the RL objective comes from ``miles.core``."""
 
 from __future__ import annotations
 
@@ -6,17 +7,15 @@ import copy
 import json
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from miles.core.algorithms.importance import importance_weights, off_policy_sequence_mask
-from miles.core.algorithms.losses import ADVANTAGE_WEIGHTED_LOSSES, LossParams, aggregate, policy_loss
+from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.batch import TrainBatch, split_micro_batches
-from miles.core.config import AlgorithmConfig
-from miles.core.log_probs import model_response_log_probs, warn_if_slow_bf16
-from miles.core.plugins import load_plugin
+from miles.core.log_probs import model_response_log_probs, packed_model_response_log_probs, warn_if_slow_bf16
 from miles.train.config import TrainConfig
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from miles.train.fsdp2.state import full_model_state, gather_module_state, load_module, write_weights
@@ -33,21 +32,29 @@ def ensure_process_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
+class WeightSink(Protocol):
+    """Where ``push_weights`` sends (a ``miles.sync.WeightSender``)."""
+
+    def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int | None = None) -> int: ...
+
+
 class FSDP2Backend:
     """``TrainBackend`` with FSDP2 data parallelism; every rank of the current process group constructs one.
 
-    Each rank gets its own rows of the global batch (``train_step`` takes this rank's shard) and loss
-    denominators are all-reduced, so the update equals one big batch on one rank.
+    Each rank gets its own rows of the global batch and the caller passes the global loss denominators
+    (``LossCounts``), so the update equals one big batch on one rank.
 
     Args:
         model_path: HF model directory.
-        train: optimizer/precision/micro-batch section.
-        algorithm: loss section (clip, KL, entropy, aggregation).
+        train: optimizer/precision/micro-batch/layout section.
         temperature: sampling temperature of the rollouts being trained on (log-probs use logits / T).
-        max_new_tokens: the normalizer of ``seq_mean_token_sum_norm``.
-        teacher_path: HF directory of a frozen teacher (on-policy distillation); its log-probs use
-            ``algorithm.teacher_temperature``. None = no teacher.
-        critic_path: HF directory initializing a critic (PPO/GAE, see ``critic.py``). None = no critic.
+        reference: hold a frozen reference (the initial policy) for KL terms (``algorithm.kl_coef`` > 0).
+        teacher_path: HF directory of a frozen teacher (on-policy distillation); None = no teacher.
+        teacher_temperature: temperature of the teacher's log-probs (``algorithm.teacher_temperature``).
+        critic_path: HF directory initializing a critic (PPO/GAE, see ``critic.py``); None = no critic.
+        critic_lr: the critic's peak learning rate (``algorithm.critic_lr``).
+        weight_sink: where ``push_weights`` sends the full weights (rank 0's sender; None on other ranks, which
+            still take part in the gather).
     """
 
     def __init__(
@@ -55,11 +62,13 @@ class FSDP2Backend:
         model_path: str | Path,
         *,
         train: TrainConfig,
-        algorithm: AlgorithmConfig,
         temperature: float,
-        max_new_tokens: int,
+        reference: bool = False,
         teacher_path: str | Path | None = None,
+        teacher_temperature: float = 1.0,
         critic_path: str | Path | None = None,
+        critic_lr: float = 1e-5,
+        weight_sink: WeightSink | None = None,
     ) -> None:
         from miles.train.fsdp2.parallelize import parallelize
         from torch.distributed.device_mesh import init_device_mesh
@@ -67,9 +76,10 @@ class FSDP2Backend:
 
         ensure_process_group()
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        self.train_cfg, self.algorithm = train, algorithm
-        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.train_cfg = train
+        self.temperature, self.teacher_temperature = temperature, teacher_temperature
         self.model_path = Path(model_path)
+        self.weight_sink = weight_sink
         warn_if_slow_bf16(PARAM_DTYPES[train.dtype], logger, where="train.dtype")
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         model.config.use_cache = False
@@ -84,7 +94,7 @@ class FSDP2Backend:
         )
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps=train.warmup_steps)
         self.ref_model = None
-        if algorithm.kl_coef > 0.0:  # reference = frozen initial policy, unsharded, no grad
+        if reference:  # reference = frozen initial policy, unsharded, no grad
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=PARAM_DTYPES[train.dtype]).eval()
             self.ref_model.requires_grad_(False)
         self.teacher_model = None
@@ -101,34 +111,33 @@ class FSDP2Backend:
                 critic_path,
                 mesh=mesh,
                 param_dtype=PARAM_DTYPES[train.dtype],
-                lr=algorithm.critic_lr,
-                value_clip=algorithm.value_clip,
+                lr=critic_lr,
                 micro_batch_size=train.micro_batch_size,
                 grad_clip=train.grad_clip,
                 warmup_steps=train.warmup_steps,
                 skip_nonfinite_steps=train.skip_nonfinite_steps,
             )
-        self.loss_fn = (
-            load_plugin(algorithm.policy_loss_path, key="algorithm.policy_loss_path", num_positional=5)
-            if algorithm.policy_loss_path
-            else algorithm.policy_loss
-        )
-        self.reducer = (
-            load_plugin(algorithm.loss_reducer_path, key="algorithm.loss_reducer_path", num_positional=4)
-            if algorithm.loss_reducer_path
-            else None
-        )
-        self.loss_params = LossParams(
-            clip_low=algorithm.clip_low, clip_high=algorithm.clip_high, dual_clip_c=algorithm.dual_clip_c
-        )
         self.step = 0
         self.num_skipped_steps = 0
+        self._pending_loss = 0.0  # global loss of the last forward_backward, checked by optimizer_step's guard
 
-    # -- log-probs ------------------------------------------------------------------------------
+    # -- forward -------------------------------------------------------------------------------
+    @property
+    def available_outputs(self) -> frozenset[str]:
+        """The ``forward`` outputs this backend can compute (the models it holds)."""
+        held = {"old_log_probs"}
+        held |= {"ref_log_probs"} if self.ref_model is not None else set()
+        held |= {"teacher_log_probs"} if self.teacher_model is not None else set()
+        held |= {"values"} if self.critic is not None else set()
+        return frozenset(held)
+
     def _log_probs(
         self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool, temperature: float | None = None
     ) -> tuple[Tensor, Tensor | None]:
-        return model_response_log_probs(
+        log_probs_fn = (
+            packed_model_response_log_probs if self.train_cfg.batch_layout == "packed" else model_response_log_probs
+        )
+        return log_probs_fn(
             model,
             mb.tokens,
             mb.attention_mask,
@@ -139,183 +148,101 @@ class FSDP2Backend:
         )
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: TrainBatch) -> TrainBatch:
-        """Set ``old_log_probs`` (current policy) and, with the models held, ``ref_log_probs``,
-        ``teacher_log_probs`` (at ``algorithm.teacher_temperature``) and critic ``values``; [B, T] f32."""
-        old, ref, teacher = [], [], []
+    def forward(self, batch: TrainBatch, *, outputs: Collection[str]) -> TrainBatch:
+        """The batch with the requested ``outputs`` set, each [B, T] float32, and nothing else computed.
+
+        Outputs: ``old_log_probs`` (current policy, logits / sampling temperature), ``ref_log_probs`` (frozen
+        reference), ``teacher_log_probs`` (teacher, at ``teacher_temperature``), ``values`` (critic).
+        Raises: ValueError naming an output this backend cannot compute (see ``available_outputs``).
+        """
+        outputs = set(outputs)
+        if outputs - self.available_outputs:
+            raise ValueError(
+                f"backend.forward: cannot compute {sorted(outputs - self.available_outputs)}; this backend holds "
+                f"{sorted(self.available_outputs)} (a reference needs algorithm.kl_coef > 0, a teacher "
+                "algorithm.teacher_path, values a critic)"
+            )
+        models = {"old_log_probs": self.model, "ref_log_probs": self.ref_model, "teacher_log_probs": self.teacher_model}
+        parts: dict[str, list[Tensor]] = {name: [] for name in models if name in outputs}
         width = batch.loss_mask.shape[1]
-        for mb in split_micro_batches(batch, self.train_cfg.micro_batch_size):
-            old.append(_pad_cols(self._log_probs(self.model, mb, with_entropy=False)[0], width))
-            if self.ref_model is not None:
-                ref.append(_pad_cols(self._log_probs(self.ref_model, mb, with_entropy=False)[0], width))
-            if self.teacher_model is not None:
-                temperature = self.algorithm.teacher_temperature
-                lp = self._log_probs(self.teacher_model, mb, with_entropy=False, temperature=temperature)[0]
-                teacher.append(_pad_cols(lp, width))
-        return batch.replace(
-            old_log_probs=torch.cat(old),
-            ref_log_probs=torch.cat(ref) if ref else batch.ref_log_probs,
-            teacher_log_probs=torch.cat(teacher) if teacher else batch.teacher_log_probs,
-            values=self.critic.compute_values(batch) if self.critic is not None else batch.values,
-        )
+        for mb in split_micro_batches(batch, self.train_cfg.micro_batch_size) if parts else []:
+            for name in parts:
+                temperature = self.teacher_temperature if name == "teacher_log_probs" else None
+                lp = self._log_probs(models[name], mb, with_entropy=False, temperature=temperature)[0]
+                parts[name].append(_pad_cols(lp, width))
+        changes = {name: torch.cat(values) for name, values in parts.items()}
+        if "values" in outputs:
+            changes["values"] = self.critic.compute_values(batch)
+        return batch.replace(**changes)
 
     # -- training -------------------------------------------------------------------------------
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on this rank's rows of the global batch; returns global metrics.
+    def forward_backward(self, batch: TrainBatch, objective: PolicyObjective, counts: LossCounts) -> dict[str, float]:
+        """Accumulate the gradients of ``objective`` over micro-batches of this rank's rows (no optimizer step).
 
-        Without ``old_log_probs`` the batch is on-policy: the ratio's denominator is the detached current
-        log-prob (ratio 1), which saves a forward pass. Reference log-probs are computed here if KL is on.
+        ``counts`` are the denominators of the whole global batch (every rank's rows), so the accumulated gradient
+        is the same for every micro-batch size and every split of the global batch over ranks. With a critic and
+        a value objective, the critic's value-loss gradients accumulate too (on every row).
+        Returns: global metrics (loss, loss/pg, pg_clipfrac, ppo_kl, entropy, train_rollout_* ...; loss/value and
+            value_clipfrac with a critic), reduced over ranks.
         """
-        metrics = self.forward_backward(batch)
-        metrics.update(self.optimizer_step(loss=metrics["loss"]))
-        if self.critic is not None:
-            counts = torch.tensor([batch.num_loss_tokens], dtype=torch.float64)
-            dist.all_reduce(counts)
-            metrics.update(self.critic.train_step(batch, num_tokens=int(counts[0])))
-        return metrics
-
-    def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
-        """Accumulate gradients of the policy loss over micro-batches (no optimizer step).
-
-        Loss denominators (tokens, sequences) are all-reduced over ranks first, so the accumulated gradient is
-        the same for every micro-batch size and every split of the global batch over ranks.
-        Returns: global metrics (loss, loss/pg, pg_clipfrac, ppo_kl, entropy, train_rollout_* ...).
-        """
-        if self.ref_model is not None and batch.ref_log_probs is None:
-            batch = batch.replace(ref_log_probs=self.compute_log_probs(batch).ref_log_probs)
-        counts = torch.tensor([batch.num_loss_tokens, batch.batch_size], dtype=torch.float64)
-        dist.all_reduce(counts)
-        num_tokens, num_sequences = int(counts[0]), int(counts[1])
-        batch, num_skipped = self._drop_rows_without_signal(batch)
-        metrics_num_tokens = batch.num_loss_tokens if num_skipped else None
+        trained, num_skipped = objective.select_rows(batch, world_size=self.world_size)
+        metrics_num_tokens = trained.num_loss_tokens if num_skipped else None
         sums: dict[str, Tensor] = {
             "loss": torch.zeros(()),
-            "skipped_zero_advantage_samples": torch.tensor(float(num_skipped)),
+            objective.skipped_rows_metric: torch.tensor(float(num_skipped)),
         }
-        micro_batches = split_micro_batches(batch, self.train_cfg.micro_batch_size) if batch.batch_size else []
+        micro_batches = split_micro_batches(trained, self.train_cfg.micro_batch_size) if trained.batch_size else []
         for i, mb in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once, at the end
             log_probs, entropy = self._log_probs(self.model, mb, with_entropy=True)
-            old_log_probs = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
-            loss_mask, token_weights, correction = self._rollout_correction(mb, log_probs, old_log_probs)
-            tok = dict(mode="token_mean", num_tokens=metrics_num_tokens or num_tokens)
-            loss, metrics = policy_loss(
-                log_probs,
-                old_log_probs,
-                mb.advantages,
-                loss_mask,
-                params=self.loss_params,
-                aggregation=self.algorithm.aggregation,
-                num_tokens=num_tokens,
-                num_sequences=num_sequences,
-                loss=self.loss_fn,
-                reducer=self.reducer,
-                normalizer=float(self.max_new_tokens),
-                token_weights=token_weights,
-                ref_log_probs=mb.ref_log_probs,
-                kl_coef=self.algorithm.kl_coef if self.algorithm.kl_mode == "loss" else 0.0,
-                kl_estimator=self.algorithm.kl_estimator,
-                entropy=entropy,
-                entropy_coef=self.algorithm.entropy_coef,
-                metrics_num_tokens=metrics_num_tokens,
-            )
-            metrics.update({name: aggregate(v, mb.loss_mask, **tok) for name, v in correction.items()})
+            loss, metrics = objective.loss(mb, log_probs, entropy, counts, metrics_num_tokens=metrics_num_tokens)
             # FSDP2 averages gradients over ranks; the loss already divides by global counts, so undo it.
             (loss * self.world_size).backward()
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + value.detach()
             sums["loss"] = sums["loss"] + loss.detach()
+        if self.critic is not None and objective.value is not None:
+            sums.update(self.critic.forward_backward(batch, objective.value, counts))
         names = sorted(sums)
         totals = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64) for n in names])
         dist.all_reduce(totals)
-        metrics = dict(zip(names, totals.tolist()))  # host sync
-        if "_is_weight_sq" in metrics:  # ESS ratio = mean(w)^2 / mean(w^2), from token means over the global batch
-            sq_mean = metrics.pop("_is_weight_sq")
-            ess = metrics.pop("_is_weight") ** 2 / sq_mean if sq_mean > 0 else 1.0
-            metrics["ess_ratio"] = min(ess, 1.0)  # <= 1 by Cauchy-Schwarz; rounding can overshoot by ~1e-13
+        metrics = objective.finish_metrics(dict(zip(names, totals.tolist())))  # host sync
+        self._pending_loss = metrics["loss"]
+        if "loss/value" in metrics:
+            self.critic.pending_loss = metrics["loss/value"]  # global: every rank takes the same skip decision
         return metrics
 
-    def _rollout_correction(
-        self, mb: TrainBatch, log_probs: Tensor, old_log_probs: Tensor
-    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-        """Loss mask after OPSM, detached importance weights (TIS/MIS/icepop) and per-token mismatch values.
-
-        Returns: (loss_mask [b, t] bool, token_weights [b, t] float32 or None, {metric: [b, t] per-token values}
-            to be token-averaged: train_rollout_logprob_abs_diff, train_rollout_kl, tis_clipfrac and the ESS terms).
-        """
-        cfg, loss_mask = self.algorithm, mb.loss_mask
-        if mb.rollout_log_probs is None:
-            if cfg.importance_sampling != "none" or cfg.opsm:
-                raise ValueError(
-                    "algorithm.importance_sampling / algorithm.opsm need the engine's rollout_log_probs, but the "
-                    "batch has none; use an engine that returns log-probs, or set them to none / false."
-                )
-            return loss_mask, None, {}
-        diff = (old_log_probs - mb.rollout_log_probs).detach()
-        values = {"train_rollout_logprob_abs_diff": diff.abs(), "train_rollout_kl": -diff}
-        if cfg.opsm:
-            loss_mask = off_policy_sequence_mask(
-                log_probs, mb.rollout_log_probs, mb.advantages, loss_mask, threshold=cfg.opsm_threshold
-            )
-            values["opsm_masked_frac"] = (mb.loss_mask & ~loss_mask).float()
-        token_weights = None
-        if cfg.importance_sampling != "none":
-            token_weights, outside = importance_weights(
-                old_log_probs.detach(),
-                mb.rollout_log_probs,
-                loss_mask,
-                mode=cfg.importance_sampling,
-                level=cfg.importance_level,
-                lower=cfg.importance_lower,
-                upper=cfg.importance_upper,
-            )
-            values.update(
-                {"tis_clipfrac": outside.float(), "_is_weight": token_weights, "_is_weight_sq": token_weights**2}
-            )
-        return loss_mask, token_weights, values
-
-    def _drop_rows_without_signal(self, batch: TrainBatch) -> tuple[TrainBatch, int]:
-        """Drop samples whose advantages are all 0 when nothing else (KL, entropy bonus) gives them a gradient.
-
-        Exact: such a row adds -ratio * 0 = 0 to the loss and its gradient, and the loss denominators were
-        counted before the drop. GRPO groups with equal rewards are all-zero, often most of a batch early on.
-        Only with world size 1: FSDP2 ranks must run the same number of backward passes.
-        """
-        kl_loss = self.algorithm.kl_coef > 0.0 and self.algorithm.kl_mode == "loss"
-        advantage_weighted = isinstance(self.loss_fn, str) and self.loss_fn in ADVANTAGE_WEIGHTED_LOSSES
-        if self.world_size > 1 or kl_loss or self.algorithm.entropy_coef > 0.0 or not advantage_weighted:
-            return batch, 0
-        keep = ((batch.advantages != 0) & batch.loss_mask).any(dim=1)
-        if not keep.any():  # keep one row (zero gradient) so that entropy and log-prob metrics are still measured
-            keep[0] = True
-        num_skipped = int((~keep).sum())  # host sync
-        if num_skipped == 0:
-            return batch, 0
-        return batch.select(keep.nonzero().squeeze(1)), num_skipped
-
-    def optimizer_step(self, *, loss: float = 0.0) -> dict[str, float]:
+    def optimizer_step(self, *, loss: float | None = None) -> dict[str, float]:
         """Clip gradients, step AdamW and the LR schedule, zero gradients; skip the step on NaN/inf (config).
+        With a critic that accumulated gradients, its optimizer steps too (same guard, its own schedule).
 
-        Returns: grad_norm (before clipping), lr, skipped_steps.
+        Args:
+            loss: the loss the guard checks; default the global loss of the last ``forward_backward``.
+        Returns: grad_norm (before clipping), lr, skipped_steps (and critic_grad_norm, critic_lr,
+            critic_skipped_steps with a critic).
         """
         grad_norm, applied = guarded_step(
             self.model,
             self.optimizer,
             self.scheduler,
-            loss=loss,
+            loss=self._pending_loss if loss is None else loss,
             grad_clip=self.train_cfg.grad_clip,
             skip_nonfinite=self.train_cfg.skip_nonfinite_steps,
             step=self.step,
             what="policy",
             lr_key="train.lr",
         )
+        self._pending_loss = 0.0
         self.num_skipped_steps += not applied
         self.step += 1
-        return {
+        metrics = {
             "grad_norm": grad_norm,
             "lr": self.scheduler.get_last_lr()[0],
             "skipped_steps": float(self.num_skipped_steps),
         }
+        if self.critic is not None and self.critic.pending_loss is not None:
+            metrics.update(self.critic.optimizer_step())
+        return metrics
 
     def full_gradients(self) -> dict[str, Tensor]:
         """Unsharded gradients by parameter name (collective; for tests and diagnostics)."""
@@ -338,6 +265,19 @@ class FSDP2Backend:
             if tensor.data_ptr() not in seen:
                 seen.add(tensor.data_ptr())
                 yield name, tensor
+
+    def push_weights(self, version: int) -> None:
+        """Send the full weights as update ``version`` from this rank (collective: every rank gathers; the ranks
+        given a ``weight_sink`` send), never through the driver.
+
+        Raises: RuntimeError if no rank of a world-size-1 backend has a sink; what the sink raises on a failed
+            update (the engines keep their previous version).
+        """
+        if self.weight_sink is None and self.world_size == 1:
+            raise RuntimeError("push_weights: this backend has no weight_sink; pass weight_sink=WeightSender(...)")
+        named = list(self.export_weights())  # collective
+        if self.weight_sink is not None:
+            self.weight_sink.push(named, version=version)
 
     def save(self, path: Path) -> None:
         """Write ``model/`` (HF directory: config, safetensors) + ``optimizer.pt`` + ``trainer_state.json``, and

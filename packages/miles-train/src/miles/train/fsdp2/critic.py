@@ -1,4 +1,5 @@
-"""The PPO critic: an HF backbone with a scalar value head, sharded with FSDP2 and trained on clipped value loss."""
+"""The PPO critic: an HF backbone with a scalar value head, sharded with FSDP2; its loss comes from the objective
+(``miles.core.algorithms.objective.ValueObjective``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from miles.core.algorithms.losses import aggregate, value_loss, zero_masked
+from miles.core.algorithms.objective import LossCounts, ValueObjective
 from miles.core.batch import TrainBatch, split_micro_batches
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from torch import Tensor
@@ -44,7 +45,7 @@ class Critic:
         model_path: HF model directory initializing the backbone (usually the policy); the head starts random.
         mesh: the data-parallel device mesh of the policy.
         param_dtype: compute dtype of the all-gathered parameters.
-        lr: critic peak learning rate; value_clip: clip range of the value loss.
+        lr: critic peak learning rate.
         micro_batch_size: sequences per forward/backward; grad_clip: gradient norm clip.
         warmup_steps: linear LR warmup over this many critic steps, as the policy's (``train.warmup_steps``).
         skip_nonfinite_steps: skip a step with a NaN/inf loss or grad norm (True) or raise (False), as the
@@ -58,7 +59,6 @@ class Critic:
         mesh,
         param_dtype: torch.dtype,
         lr: float,
-        value_clip: float,
         micro_batch_size: int,
         grad_clip: float,
         warmup_steps: int,
@@ -76,11 +76,12 @@ class Critic:
         self.model = parallelize(model, mesh=mesh, param_dtype=param_dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps=warmup_steps)
-        self.value_clip, self.micro_batch_size, self.grad_clip = value_clip, micro_batch_size, grad_clip
+        self.micro_batch_size, self.grad_clip = micro_batch_size, grad_clip
         self.skip_nonfinite_steps = skip_nonfinite_steps
         self.world_size = dist.get_world_size()
         self.step = 0
         self.num_skipped_steps = 0
+        self.pending_loss: float | None = None  # global value loss of the last forward_backward, for the guard
 
     def _values(self, mb: TrainBatch) -> Tensor:
         scores = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long()).logits[..., 0]  # [b, L]
@@ -98,46 +99,45 @@ class Critic:
         cols = torch.arange(width)[None, :] < batch.response_lengths[:, None]
         return torch.where(cols, values, 0.0)
 
-    def train_step(self, batch: TrainBatch, *, num_tokens: int) -> dict[str, float]:
-        """One optimizer step of the clipped value loss (token mean over the global ``num_tokens``), with the
-        policy's guard and LR warmup (see ``guarded_step``).
+    def forward_backward(self, batch: TrainBatch, objective: ValueObjective, counts: LossCounts) -> dict[str, Tensor]:
+        """Accumulate the gradients of the value loss over micro-batches of this rank's rows (no step).
 
-        Returns: loss/value, value_clipfrac, critic_grad_norm (before clipping), critic_lr, critic_skipped_steps.
-        Raises: ValueError if the batch lacks ``values`` or ``returns`` (run GAE first); FloatingPointError on a
-            non-finite step when ``skip_nonfinite_steps`` is False.
+        Returns: this rank's sums of loss/value and value_clipfrac (the caller reduces them over ranks and sets
+            ``pending_loss`` to the global loss before ``optimizer_step``).
+        Raises: ValueError if the batch lacks ``values`` or ``returns`` (run GAE first).
         """
-        if batch.values is None or batch.returns is None:
-            raise ValueError("critic.train_step needs batch.values and batch.returns (computed with advantage 'gae')")
         sums = {"loss/value": torch.zeros(()), "value_clipfrac": torch.zeros(())}
         micro_batches = split_micro_batches(batch, self.micro_batch_size)
         for i, mb in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            # Selection (not multiplication) by the mask: a NaN/inf at a masked slot must not reach the gradient.
-            loss_mask = mb.loss_mask
-            values, old_values, returns = (zero_masked(t, loss_mask) for t in (self._values(mb), mb.values, mb.returns))
-            token_loss, clipped = value_loss(values, old_values, returns, clip=self.value_clip)
-            loss = aggregate(token_loss, mb.loss_mask, mode="token_mean", num_tokens=num_tokens)
+            loss, metrics = objective.loss(self._values(mb), mb, counts)
             (loss * self.world_size).backward()  # FSDP2 averages over ranks; the loss already uses global counts
-            sums["loss/value"] += loss.detach()
-            sums["value_clipfrac"] += aggregate(clipped.float(), mb.loss_mask, mode="token_mean", num_tokens=num_tokens)
-        totals = torch.stack([sums["loss/value"], sums["value_clipfrac"]]).double()
-        dist.all_reduce(totals)  # the global loss, so that every rank takes the same skip decision
+            for name, value in metrics.items():
+                sums[name] = sums[name] + value
+        return sums
+
+    def optimizer_step(self) -> dict[str, float]:
+        """One guarded AdamW step with the policy's guard and LR warmup (see ``guarded_step``), checking
+        ``pending_loss``.
+
+        Returns: critic_grad_norm (before clipping), critic_lr, critic_skipped_steps.
+        Raises: FloatingPointError on a non-finite step when ``skip_nonfinite_steps`` is False.
+        """
         grad_norm, applied = guarded_step(
             self.model,
             self.optimizer,
             self.scheduler,
-            loss=float(totals[0]),  # host sync, once per step
+            loss=self.pending_loss if self.pending_loss is not None else 0.0,
             grad_clip=self.grad_clip,
             skip_nonfinite=self.skip_nonfinite_steps,
             step=self.step,
             what="critic",
             lr_key="algorithm.critic_lr",
         )
+        self.pending_loss = None
         self.num_skipped_steps += not applied
         self.step += 1
         return {
-            "loss/value": float(totals[0]),
-            "value_clipfrac": float(totals[1]),
             "critic_grad_norm": grad_norm,
             "critic_lr": self.scheduler.get_last_lr()[0],
             "critic_skipped_steps": float(self.num_skipped_steps),

@@ -1,0 +1,259 @@
+"""The RL objective, built once from ``AlgorithmConfig`` and handed to a training backend.
+
+A backend (FSDP2, Megatron-core, the plain-torch reference of the tests) runs forward and backward only:
+``TrainBackend.forward_backward(batch, objective, counts)`` computes the policy's log-probs (and entropy) of a
+micro-batch and calls ``PolicyObjective.loss`` for the scalar to differentiate; with a critic it calls
+``ValueObjective.loss`` on the critic's values. Everything RL (the policy loss of the registry or a plugin, its
+aggregation, KL to the reference in the loss, the entropy bonus, TIS/MIS/icepop weights, OPSM, the rollout/training
+mismatch metrics, skipping rows without signal) lives here, in ``miles.core``; no backend imports an RL formula.
+
+Denominators are global: ``LossCounts`` holds the trained tokens and sequences of the whole optimizer step (all
+micro-batches, all ranks), computed once by the caller from the global batch, so the accumulated gradient does not
+depend on the micro-batch size or on how the batch is split over ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from miles.core.algorithms.importance import importance_weights, off_policy_sequence_mask
+from miles.core.algorithms.losses import LossParams, aggregate, policy_loss, value_loss, zero_masked
+from miles.core.algorithms.registry import BACKEND_OUTPUTS, get_estimator, get_policy_loss
+from miles.core.batch import TrainBatch
+from miles.core.config import AlgorithmConfig
+from miles.core.plugins import load_plugin
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LossCounts:
+    """Loss denominators of one optimizer step, over its whole global batch (every micro-batch and rank).
+
+    Attributes:
+        num_tokens: trained tokens (``loss_mask`` True), the token-mean denominator.
+        num_sequences: sequences, the denominator of the seq-mean aggregations.
+    """
+
+    num_tokens: int
+    num_sequences: int
+
+    @classmethod
+    def of(cls, batch: TrainBatch) -> LossCounts:
+        """The counts of ``batch`` taken as the whole global batch (host sync)."""
+        return cls(num_tokens=batch.num_loss_tokens, num_sequences=batch.batch_size)
+
+
+class ValueObjective:
+    """The critic's clipped value loss, token-mean over the global trained tokens.
+
+    Args:
+        clip: value clip range around the rollout-time values (reward units), ``algorithm.value_clip``.
+    References: PPO2 baselines value clipping; verl ``compute_value_loss``.
+    """
+
+    def __init__(self, *, clip: float) -> None:
+        self.clip = clip
+
+    def loss(self, values: Tensor, mb: TrainBatch, counts: LossCounts) -> tuple[Tensor, dict[str, Tensor]]:
+        """Value loss of one micro-batch, already divided by the global token count.
+
+        Args:
+            values: [b, t] float32 critic output with grad, ``TrainBatch`` response columns.
+            mb: the micro-batch; needs ``values`` (rollout-time values) and ``returns``.
+            counts: the global denominators.
+        Returns: (loss scalar with grad, {"loss/value", "value_clipfrac"} detached scalars).
+        Raises: ValueError if the batch lacks ``values`` or ``returns`` (advantage 'gae' sets them).
+        """
+        if mb.values is None or mb.returns is None:
+            raise ValueError("the value loss needs batch.values and batch.returns (computed with advantage 'gae')")
+        # Selection (not multiplication) by the mask: a NaN/inf at a masked slot must not reach the gradient.
+        loss_mask = mb.loss_mask
+        values, old_values, returns = (zero_masked(t, loss_mask) for t in (values, mb.values, mb.returns))
+        token_loss, clipped = value_loss(values, old_values, returns, clip=self.clip)
+        loss = aggregate(token_loss, loss_mask, mode="token_mean", num_tokens=counts.num_tokens)
+        clipfrac = aggregate(clipped.float(), loss_mask, mode="token_mean", num_tokens=counts.num_tokens)
+        return loss, {"loss/value": loss.detach(), "value_clipfrac": clipfrac}
+
+
+class PolicyObjective:
+    """The policy objective of one algorithm config: loss = agg(w * pg) + kl_coef * agg(kl) - entropy_coef * agg(H).
+
+    Built once (plugins loaded here) and reused for every micro-batch of every step.
+
+    Args:
+        algorithm: the algorithm section (loss, clip, KL, entropy, aggregation, rollout corrections, critic).
+        max_new_tokens: normalizer of ``seq_mean_token_sum_norm`` (Dr.GRPO), ``rollout.sampling.max_new_tokens``.
+    Raises: ImportError/AttributeError/TypeError naming the key for an unloadable plugin.
+    """
+
+    skipped_rows_metric = "skipped_zero_advantage_samples"  # the count ``select_rows`` dropped
+
+    def __init__(self, algorithm: AlgorithmConfig, *, max_new_tokens: int) -> None:
+        self.algorithm = algorithm
+        self.normalizer = float(max_new_tokens)
+        if algorithm.policy_loss_path:
+            self.loss_fn = load_plugin(algorithm.policy_loss_path, key="algorithm.policy_loss_path", num_positional=5)
+            self.advantage_weighted = False  # unknown: never skip rows for a custom loss
+        else:
+            self.loss_fn = get_policy_loss(algorithm.policy_loss).fn
+            self.advantage_weighted = get_policy_loss(algorithm.policy_loss).advantage_weighted
+        self.reducer = (
+            load_plugin(algorithm.loss_reducer_path, key="algorithm.loss_reducer_path", num_positional=4)
+            if algorithm.loss_reducer_path
+            else None
+        )
+        self.params = LossParams(
+            clip_low=algorithm.clip_low, clip_high=algorithm.clip_high, dual_clip_c=algorithm.dual_clip_c
+        )
+        self.kl_loss_coef = algorithm.kl_coef if algorithm.kl_mode == "loss" else 0.0
+        critic = not algorithm.advantage_estimator_path and get_estimator(algorithm.advantage_estimator).critic
+        self.value = ValueObjective(clip=algorithm.value_clip) if critic else None
+
+    # -- what the backend must compute -----------------------------------------------------------
+    def advantage_outputs(self, available: Collection[str]) -> frozenset[str]:
+        """``TrainBatch`` fields the backend computes before the advantages (``TrainBackend.forward`` outputs).
+
+        The estimator's registry ``needs``, old and reference log-probs for a KL reward penalty, and the
+        reference log-probs for a KL loss when a forward pass runs anyway; a custom estimator gets every output
+        the backend can give (``available``). Empty = the estimator reads rewards only (GRPO): no pass at all.
+        """
+        algorithm = self.algorithm
+        if algorithm.advantage_estimator_path:
+            needs = {"old_log_probs"} | (set(available) & BACKEND_OUTPUTS)
+        else:
+            needs = set(get_estimator(algorithm.advantage_estimator).needs)
+        if algorithm.kl_coef > 0.0 and (needs or algorithm.kl_mode == "reward"):
+            needs |= {"old_log_probs", "ref_log_probs"}
+        return frozenset(needs)
+
+    @property
+    def train_outputs(self) -> frozenset[str]:
+        """Fields the batch handed to ``forward_backward`` must hold beyond the rollout's (the KL loss' reference)."""
+        return frozenset({"ref_log_probs"}) if self.kl_loss_coef > 0.0 else frozenset()
+
+    # -- the loss --------------------------------------------------------------------------------
+    def select_rows(self, batch: TrainBatch, *, world_size: int) -> tuple[TrainBatch, int]:
+        """Drop samples whose advantages are all 0 when nothing else (KL, entropy bonus) gives them a gradient.
+
+        Exact: such a row adds -ratio * 0 = 0 to the loss and its gradient, and the loss denominators are global
+        counts taken before the drop. GRPO groups with equal rewards are all-zero, often most of a batch early on.
+        Only at world size 1: FSDP2 ranks must run the same number of backward passes.
+        Returns: (the kept rows, number dropped).
+        """
+        algorithm = self.algorithm
+        if world_size > 1 or self.kl_loss_coef > 0.0 or algorithm.entropy_coef > 0.0 or not self.advantage_weighted:
+            return batch, 0
+        keep = ((batch.advantages != 0) & batch.loss_mask).any(dim=1)
+        if not keep.any():  # keep one row (zero gradient) so that entropy and log-prob metrics are still measured
+            keep[0] = True
+        num_skipped = int((~keep).sum())  # host sync
+        if num_skipped == 0:
+            return batch, 0
+        return batch.select(keep.nonzero().squeeze(1)), num_skipped
+
+    def loss(
+        self,
+        mb: TrainBatch,
+        log_probs: Tensor,
+        entropy: Tensor | None,
+        counts: LossCounts,
+        *,
+        metrics_num_tokens: int | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy loss of one micro-batch, already divided by the global denominators.
+
+        Without ``mb.old_log_probs`` the batch is on-policy: the ratio's denominator is the detached current
+        log-prob (ratio 1), which saves a forward pass.
+
+        Args:
+            mb: the micro-batch (advantages, loss mask, rollout/old/ref log-probs as available).
+            log_probs: [b, t] float32 nats of the current policy with grad (logits / sampling temperature).
+            entropy: [b, t] float32 nats, with grad if ``algorithm.entropy_coef`` > 0; None = not measured.
+            counts: global denominators of the optimizer step.
+            metrics_num_tokens: token denominator of the token-mean metrics when rows were dropped
+                (``select_rows``): the trained tokens of the kept rows; default ``counts.num_tokens``.
+        Returns: (loss scalar with grad, detached scalar metrics: loss/pg, pg_clipfrac, ppo_kl, entropy, loss/kl,
+            train_rollout_logprob_abs_diff, train_rollout_kl, tis_clipfrac, opsm_masked_frac and the ESS terms),
+            each a sum over micro-batches and ranks of what this returns; ``finish_metrics`` completes them.
+        Raises: ValueError if a needed input (reference or rollout log-probs) is missing from ``mb``.
+        """
+        algorithm = self.algorithm
+        if self.kl_loss_coef > 0.0 and mb.ref_log_probs is None:
+            raise ValueError(
+                "algorithm.kl_coef > 0 (kl_mode loss) but the batch has no ref_log_probs; compute them first with "
+                "backend.forward(batch, outputs={'ref_log_probs'})"
+            )
+        old_log_probs = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
+        loss_mask, token_weights, correction = self._rollout_correction(mb, log_probs, old_log_probs)
+        loss, metrics = policy_loss(
+            log_probs,
+            old_log_probs,
+            mb.advantages,
+            loss_mask,
+            params=self.params,
+            aggregation=algorithm.aggregation,
+            num_tokens=counts.num_tokens,
+            num_sequences=counts.num_sequences,
+            loss=self.loss_fn,
+            reducer=self.reducer,
+            normalizer=self.normalizer,
+            token_weights=token_weights,
+            ref_log_probs=mb.ref_log_probs,
+            kl_coef=self.kl_loss_coef,
+            kl_estimator=algorithm.kl_estimator,
+            entropy=entropy,
+            entropy_coef=algorithm.entropy_coef,
+            metrics_num_tokens=metrics_num_tokens,
+        )
+        tok = dict(mode="token_mean", num_tokens=metrics_num_tokens or counts.num_tokens)
+        metrics.update({name: aggregate(v, mb.loss_mask, **tok) for name, v in correction.items()})
+        return loss, metrics
+
+    @staticmethod
+    def finish_metrics(metrics: dict[str, float]) -> dict[str, float]:
+        """Turn the summed micro-batch metrics into reported ones (the ESS ratio from its two token means)."""
+        if "_is_weight_sq" in metrics:  # ESS ratio = mean(w)^2 / mean(w^2), from token means over the global batch
+            sq_mean = metrics.pop("_is_weight_sq")
+            ess = metrics.pop("_is_weight") ** 2 / sq_mean if sq_mean > 0 else 1.0
+            metrics["ess_ratio"] = min(ess, 1.0)  # <= 1 by Cauchy-Schwarz; rounding can overshoot by ~1e-13
+        return metrics
+
+    def _rollout_correction(
+        self, mb: TrainBatch, log_probs: Tensor, old_log_probs: Tensor
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+        """Loss mask after OPSM, detached importance weights (TIS/MIS/icepop) and per-token mismatch values.
+
+        Returns: (loss_mask [b, t] bool, token_weights [b, t] float32 or None, {metric: [b, t] per-token values}
+            to be token-averaged: train_rollout_logprob_abs_diff, train_rollout_kl, tis_clipfrac and the ESS terms).
+        """
+        cfg, loss_mask = self.algorithm, mb.loss_mask
+        if mb.rollout_log_probs is None:
+            if cfg.importance_sampling != "none" or cfg.opsm:
+                raise ValueError(
+                    "algorithm.importance_sampling / algorithm.opsm need the engine's rollout_log_probs, but the "
+                    "batch has none; use an engine that returns log-probs, or set them to none / false."
+                )
+            return loss_mask, None, {}
+        diff = (old_log_probs - mb.rollout_log_probs).detach()
+        values = {"train_rollout_logprob_abs_diff": diff.abs(), "train_rollout_kl": -diff}
+        if cfg.opsm:
+            loss_mask = off_policy_sequence_mask(
+                log_probs, mb.rollout_log_probs, mb.advantages, loss_mask, threshold=cfg.opsm_threshold
+            )
+            values["opsm_masked_frac"] = (mb.loss_mask & ~loss_mask).float()
+        token_weights = None
+        if cfg.importance_sampling != "none":
+            token_weights, outside = importance_weights(
+                old_log_probs.detach(),
+                mb.rollout_log_probs,
+                loss_mask,
+                mode=cfg.importance_sampling,
+                level=cfg.importance_level,
+                lower=cfg.importance_lower,
+                upper=cfg.importance_upper,
+            )
+            values.update(
+                {"tis_clipfrac": outside.float(), "_is_weight": token_weights, "_is_weight_sq": token_weights**2}
+            )
+        return loss_mask, token_weights, values
