@@ -1,7 +1,15 @@
 """Config sections of miles-core: the training-rollout sampling rule and the group-size rule shared with the root."""
 
 import pytest
-from miles.core.config import AlgorithmConfig, EvalConfig, RolloutConfig, SamplingConfig, check_group_size
+from miles.core.config import (
+    AdvantageConfig,
+    AlgorithmConfig,
+    EvalConfig,
+    LossConfig,
+    RolloutConfig,
+    SamplingConfig,
+    check_group_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -27,14 +35,18 @@ def test_eval_sampling_may_truncate_and_training_sampling_defaults_to_the_full_d
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"])
 def test_group_baseline_estimators_refuse_one_sample_per_prompt(estimator):
     with pytest.raises(ValueError, match=f"is 1, but advantage '{estimator}' needs at least 2.*--rollout.n-samples"):
-        check_group_size(RolloutConfig(n_samples_per_prompt=1), AlgorithmConfig(advantage_estimator=estimator))
+        check_group_size(
+            RolloutConfig(n_samples_per_prompt=1), AlgorithmConfig(advantage=AdvantageConfig(estimator=estimator))
+        )
 
 
 @pytest.mark.parametrize(
     "algorithm",
     [
-        pytest.param(AlgorithmConfig(advantage_estimator="reinforce_plus_plus"), id="no_group_baseline"),
-        pytest.param(AlgorithmConfig(policy_loss="sft"), id="sft_ignores_advantages"),
+        pytest.param(
+            AlgorithmConfig(advantage=AdvantageConfig(estimator="reinforce_plus_plus")), id="no_group_baseline"
+        ),
+        pytest.param(AlgorithmConfig(loss=LossConfig(policy_loss="sft")), id="sft_ignores_advantages"),
     ],
 )
 def test_estimators_without_a_group_accept_one_sample_per_prompt(algorithm):

@@ -7,7 +7,18 @@ import textwrap
 
 import pytest
 from doubles import CountingPublisher, FakeBackend, NullSink
-from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, SamplingConfig
+from miles.core.algorithms.config import load_algorithm_plugins
+from miles.core.config import (
+    AdvantageConfig,
+    AlgorithmConfig,
+    DynamicSamplingConfig,
+    EvalConfig,
+    LoopConfig,
+    LossConfig,
+    OverlongConfig,
+    RolloutConfig,
+    SamplingConfig,
+)
 from miles.core.loop import Components, evaluate, run_step, train_sync
 from miles.core.sample import Sample, SampleStatus
 
@@ -77,7 +88,7 @@ DONE = SampleStatus.COMPLETED
 def test_dynamic_sampling_without_any_signal_stops_after_exactly_the_round_bound(caplog):
     equal_groups = [[([0], DONE), ([0], DONE)], [([1], DONE), ([1], DONE)]] * 10
     rollout_fn = ScriptedRollout(equal_groups)
-    algorithm = AlgorithmConfig(dynamic_sampling=True, dynamic_sampling_max_rounds=3)
+    algorithm = AlgorithmConfig(dynamic_sampling=DynamicSamplingConfig(max_rounds=3))
     rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2)
     with (
         caplog.at_level(logging.WARNING),
@@ -93,7 +104,7 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_over_samples_the_missing_
     # Round 1: [flat, mixed] keeps 1 group; round 2 asks ceil(1 * 2.0) = 2 prompts: [flat, mixed] fills the batch.
     rollout_fn = ScriptedRollout([flat, mixed, flat, mixed])
     c = _components(rollout_fn, reward_is_first_token)
-    algorithm = AlgorithmConfig(dynamic_sampling=True, dynamic_sampling_over_sample=2.0)
+    algorithm = AlgorithmConfig(dynamic_sampling=DynamicSamplingConfig(over_sample=2.0))
     metrics = run_step(
         c, step=0, rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2), algorithm=algorithm
     )
@@ -120,7 +131,7 @@ def test_a_failing_reward_in_one_group_leaves_the_other_group_and_the_rest_of_it
         c,
         step=0,
         rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=3),
-        algorithm=AlgorithmConfig(advantage_eps=1e-12),
+        algorithm=AlgorithmConfig(advantage=AdvantageConfig(eps=1e-12)),
     )
     (batch,) = c.backend.batches
     advantages = batch.advantages[:, 0].tolist()
@@ -136,7 +147,7 @@ def test_overlong_filter_masks_length_truncated_samples_by_finish_reason():
     group = [([5, 6, 7, 9], DONE), ([5, 6, 7, 8], SampleStatus.TRUNCATED)]
     c = _components(ScriptedRollout([group]), lambda s: float(s.response_tokens[-1] == 9))
     rollout = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4))
-    run_step(c, step=0, rollout=rollout, algorithm=AlgorithmConfig(overlong_filter=True))
+    run_step(c, step=0, rollout=rollout, algorithm=AlgorithmConfig(overlong=OverlongConfig(filter=True)))
     (batch,) = c.backend.batches
     assert batch.loss_mask.int().tolist() == [[1, 1, 1, 1], [0, 0, 0, 0]]
     # The truncated sample still counts in the group statistics: rewards [1, 0] -> +0.7071 on the kept one.
@@ -151,7 +162,8 @@ def test_a_sample_without_trainable_tokens_leaves_its_group_statistics(estimator
     group = [([1, 5], DONE, [0, 0]), ([1, 6], DONE), ([0, 6], DONE)]
     c = _components(ScriptedRollout([group]), reward_is_first_token)
     rollout = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=3)
-    algorithm = AlgorithmConfig(advantage_estimator=estimator, advantage_eps=1e-12)
+    eps = {"eps": 1e-12} if estimator == "grpo" else {}  # rloo divides by no std: it reads no eps
+    algorithm = AlgorithmConfig(advantage=AdvantageConfig(estimator=estimator, **eps))
     metrics = run_step(c, step=0, rollout=rollout, algorithm=algorithm)
     (batch,) = c.backend.batches
     expected = {"grpo": [0.0, 0.70711, -0.70711], "rloo": [0.0, 1.0, -1.0]}[estimator]
@@ -173,7 +185,12 @@ def test_an_overlong_filtered_sample_stays_in_its_group_statistics_but_a_tool_on
     ]
     c = _components(ScriptedRollout([group]), lambda s: float(s.response_tokens[-1] == 9))
     rollout = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=4, sampling=SamplingConfig(max_new_tokens=4))
-    run_step(c, step=0, rollout=rollout, algorithm=AlgorithmConfig(overlong_filter=True, advantage_eps=1e-12))
+    run_step(
+        c,
+        step=0,
+        rollout=rollout,
+        algorithm=AlgorithmConfig(overlong=OverlongConfig(filter=True), advantage=AdvantageConfig(eps=1e-12)),
+    )
     (batch,) = c.backend.batches
     assert batch.loss_mask.int().tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]
     assert batch.advantages[:, 0].tolist() == pytest.approx([0.0, 0.0, 1.1547, -0.57735], abs=1e-4)
@@ -187,7 +204,7 @@ def test_train_sync_refuses_a_group_baseline_with_one_sample_per_prompt_before_g
             c,
             loop=LoopConfig(num_steps=1),
             rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1),
-            algorithm=AlgorithmConfig(advantage_estimator="rloo"),
+            algorithm=AlgorithmConfig(advantage=AdvantageConfig(estimator="rloo")),
             evaluation=EvalConfig(num_prompts=0),
         )
     assert rollout_fn.calls == []  # refused once, at the start: nothing was generated
@@ -199,7 +216,7 @@ def test_train_sync_runs_one_sample_per_prompt_with_an_estimator_that_needs_no_g
         c,
         loop=LoopConfig(num_steps=1, save_interval=0),
         rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1),
-        algorithm=AlgorithmConfig(advantage_estimator="reinforce_plus_plus", advantage_eps=1e-12),
+        algorithm=AlgorithmConfig(advantage=AdvantageConfig(estimator="reinforce_plus_plus", eps=1e-12)),
         evaluation=EvalConfig(num_prompts=0),
     )
     # Whitened over the batch: rewards [1, 0], mean 0.5, population std 0.5 -> [+1, -1].
@@ -222,7 +239,9 @@ def test_overlong_shaping_and_a_reward_post_process_plugin_change_the_advantages
     c = _components(ScriptedRollout([group]), lambda s: 1.0)
     rollout = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4))
     algorithm = AlgorithmConfig(
-        advantage_estimator="dr_grpo", overlong_buffer_len=2, reward_post_process_path="my_shaping:double"
+        advantage=AdvantageConfig(estimator="dr_grpo"),
+        overlong=OverlongConfig(buffer_len=2),
+        reward_post_process_path="my_shaping:double",
     )
     run_step(c, step=0, rollout=rollout, algorithm=algorithm)
     (batch,) = c.backend.batches
@@ -242,14 +261,24 @@ def test_a_custom_advantage_estimator_plugin_is_used(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     c = _components(ScriptedRollout([[([1], DONE), ([1], DONE)]]), lambda s: 1.0)
-    algorithm = AlgorithmConfig(advantage_estimator_path="my_estimator:constant")
+    algorithm = AlgorithmConfig(advantage=AdvantageConfig(estimator_path="my_estimator:constant"))
     run_step(c, step=0, rollout=RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2), algorithm=algorithm)
     assert c.backend.batches[0].advantages.tolist() == [[0.5], [0.5]]
 
 
-def test_a_plugin_path_with_the_wrong_signature_fails_when_the_config_is_built():
-    with pytest.raises(ValueError, match="algorithm.policy_loss_path.*5 positional"):
-        AlgorithmConfig(policy_loss_path="miles.core.algorithms.losses:sft_loss")
+def test_a_plugin_path_with_the_wrong_signature_fails_when_the_run_is_built_not_when_validated():
+    algorithm = AlgorithmConfig(loss=LossConfig(policy_loss_path="miles.core.algorithms.losses:sft_loss"))  # pure
+    with pytest.raises(TypeError, match="algorithm.loss.policy_loss_path.*5 positional"):
+        load_algorithm_plugins(algorithm)
+    c = _components(ScriptedRollout([]), reward_is_first_token)
+    with pytest.raises(TypeError, match="algorithm.loss.policy_loss_path.*5 positional"):  # and before any rollout
+        train_sync(
+            c,
+            loop=LoopConfig(num_steps=1),
+            rollout=RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2),
+            algorithm=algorithm,
+            evaluation=EvalConfig(num_prompts=0),
+        )
 
 
 class RecordingEngine:
@@ -277,6 +306,11 @@ def test_eval_uses_its_own_sampling_settings_and_training_keeps_its_own(tiny_lla
     assert {(r.sampling.temperature, r.sampling.top_p) for r in engine.requests} == {(0.6, 0.95)}
     engine.requests.clear()
     rollout = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=8, sampling=train_sampling)
-    run_step(c, step=0, rollout=rollout, algorithm=AlgorithmConfig(advantage_estimator="reinforce_plus_plus"))
+    run_step(
+        c,
+        step=0,
+        rollout=rollout,
+        algorithm=AlgorithmConfig(advantage=AdvantageConfig(estimator="reinforce_plus_plus")),
+    )
     assert len(engine.requests) == 8
     assert {(r.sampling.temperature, r.sampling.top_p) for r in engine.requests} == {(1.0, 1.0)}

@@ -116,7 +116,7 @@ def test_a_run_whose_steps_have_no_reward_variance_warns_once_and_logs_the_ratio
     assert message.startswith("step 1: all 2 groups have zero reward variance")  # metrics.jsonl step 1
     assert "mean reward 0.5" in message  # rewards [0, 0, 1, 1]
     for fix in ("--rollout.n-samples-per-prompt", "--rollout.sampling.max-new-tokens", "miles config show",
-                "--algorithm.dynamic-sampling true", "larger model"):  # fmt: skip
+                "--algorithm.dynamic-sampling.max-rounds 3", "larger model"):  # fmt: skip
         assert fix in message
 
 

@@ -32,7 +32,7 @@ def tiny_smollm2_dirs(tiny_smollm2_dir, make_tiny_smollm2):
 def test_each_algorithm_recipe_trains_two_steps_on_a_tiny_model(recipe, tiny_smollm2_dirs, tmp_path):
     student, teacher = tiny_smollm2_dirs
     overrides = [
-        "--model.path", str(student),
+        "--models.policy.path", str(student),
         "--data.size", "64",
         "--loop.num-steps", "2",
         "--rollout.rollout-batch-size", "2",
@@ -46,11 +46,11 @@ def test_each_algorithm_recipe_trains_two_steps_on_a_tiny_model(recipe, tiny_smo
     if recipe != "smollm2_sft_arithmetic":
         overrides += ["--rollout.n-samples-per-prompt", "4"]
     if recipe == "smollm2_opd_arithmetic":
-        overrides += ["--algorithm.teacher-path", str(teacher)]
+        overrides += ["--models.teacher.path", str(teacher)]
     if recipe == "smollm2_dapo_arithmetic":
         # A random model scores 0 on every group, so dynamic sampling would (correctly) give up; it is covered by
         # tests/core/test_loop_algorithms.py. The rest of DAPO runs here.
-        overrides += ["--algorithm.dynamic-sampling", "false", "--algorithm.overlong-buffer-len", "3"]
+        overrides += ["--algorithm.dynamic-sampling", "null", "--algorithm.overlong.buffer-len", "3"]
     cfg = resolve_config(recipe, overrides)
     run(cfg, tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -71,7 +71,7 @@ def test_each_algorithm_recipe_trains_two_steps_on_a_tiny_model(recipe, tiny_smo
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"])
 def test_a_group_baseline_with_one_sample_per_prompt_is_refused_before_training(estimator):
-    overrides = ["--algorithm.advantage-estimator", estimator, "--rollout.n-samples-per-prompt", "1"]
+    overrides = ["--algorithm.advantage.estimator", estimator, "--rollout.n-samples-per-prompt", "1"]
     with pytest.raises(ValueError, match=f"rollout.n_samples_per_prompt is 1, but advantage '{estimator}' needs"):
         resolve_config("smollm2_grpo_arithmetic", overrides)
 
@@ -79,23 +79,28 @@ def test_a_group_baseline_with_one_sample_per_prompt_is_refused_before_training(
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        pytest.param(["--algorithm.advantage-estimator", "opd"], "teacher_path is empty", id="opd_without_teacher"),
-        pytest.param(["--algorithm.dual-clip-c", "0.5"], "needs c > 1", id="dual_clip_below_one"),
+        pytest.param(["--algorithm.advantage.estimator", "opd"], "models.teacher is off", id="opd_without_teacher"),
+        pytest.param(["--algorithm.loss.dual-clip-c", "0.5"], "needs c > 1", id="dual_clip_below_one"),
         pytest.param(["--rollout.mode", "sft"], "supervised fine-tuning needs both", id="sft_mode_with_ppo_loss"),
-        pytest.param(["--algorithm.overlong-buffer-len", "100"], "penalty ramp must fit", id="buffer_too_long"),
+        pytest.param(["--algorithm.overlong.buffer-len", "100"], "penalty ramp must fit", id="buffer_too_long"),
         pytest.param(
             [
-                "--algorithm.dynamic-sampling",
-                "true",
+                "--algorithm.dynamic-sampling.max-rounds",
+                "3",
                 "--rollout.n-samples-per-prompt",
                 "1",
-                "--algorithm.advantage-estimator",
+                "--algorithm.advantage.estimator",
                 "reinforce_plus_plus",
             ],
             "every group would be filtered",
             id="dynamic_sampling_with_groups_of_one",
         ),  # fmt: skip
-        pytest.param(["--algorithm.critic-path", "x"], "only 'gae' uses a critic", id="critic_without_gae"),
+        pytest.param(["--models.critic.path", "x"], "never reads critic values", id="critic_without_gae"),
+        pytest.param(
+            ["--algorithm.advantage.estimator", "gae"],
+            "trains a critic, but models.critic is off",
+            id="gae_without_critic",
+        ),
     ],
 )
 def test_algorithm_combinations_that_would_do_nothing_are_refused(overrides, message):

@@ -1,24 +1,29 @@
-"""A user's mistake in data or plugins ends `miles train` with one `miles:` line and exit status 2, before any
-model loads and without writing anything into the run directory."""
+"""A user's mistake in data, model paths or plugins ends `miles train` with one `miles:` line and exit status 2,
+before any model loads and without writing anything into the run directory. These are build-time checks:
+validating the config reads no file, so each such config validates and fails in ``build_inputs``."""
 
 import json
 import logging
 
 import pytest
 from miles.recipes.cli import main, resolve_config
-from miles.recipes.run import build_inputs
+from miles.recipes.run import RunSetupError, build_inputs
 
 GOOD = json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"})
 
 WRONG_SIGNATURE = """
 def two_args(sample, extra):
     return 1.0
+
+
+def keep(group):
+    return True
 """
 
 
 def _args(model_dir, run_dir, data_file, *extra):
     return [
-        "--model.path", str(model_dir),
+        "--models.policy.path", str(model_dir),
         "--data.source", "file", "--data.path", str(data_file), "--reward.type", "math",
         "--eval.num-prompts", "1",
         "--run.dir", str(run_dir), "--run.name", "bad", "--run.progress", "false", *extra,
@@ -56,6 +61,25 @@ CASES = [
         ["--reward.type", "custom", "--reward.path", "bad_reward:two_args"],
         "reward.path: 'bad_reward:two_args' must accept 1 positional argument(s)",
         id="reward_wrong_signature",
+    ),
+    pytest.param(
+        GOOD + "\n" + GOOD,
+        ["--models.policy.path", "/no/such/model"],
+        "models.policy.path is '/no/such/model': not a registered model ['smollm2-135m-instruct'] and not a "
+        "directory with config.json. Pass --models.policy.path smollm2-135m-instruct or a local HF model directory.",
+        id="missing_model_path",
+    ),
+    pytest.param(
+        GOOD + "\n" + GOOD,
+        ["--data.path", "no/such.jsonl"],
+        "data.path is 'no/such.jsonl', which is not a file",
+        id="missing_data_file",
+    ),
+    pytest.param(
+        GOOD + "\n" + GOOD,
+        ["--algorithm.loss.policy-loss-path", "no_such_plugins:loss"],
+        "algorithm.loss.policy_loss_path: cannot import module 'no_such_plugins'",
+        id="loss_plugin_missing",
     ),
 ]
 
@@ -109,3 +133,56 @@ def test_train_help_lists_common_options_and_points_to_config_show(capsys):
     for option in ("--loop.num-steps", "--rollout.n-samples-per-prompt", "--train.lr", "--resume", "--overwrite"):
         assert option in out
     assert "miles config show RECIPE" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        pytest.param(
+            ["--algorithm.kl.coef", "0.1", "--models.reference.path", "/no/ref"],
+            "models.reference.path is '/no/ref': not a registered model",
+            id="reference_path",
+        ),
+        pytest.param(
+            ["--algorithm.advantage.estimator", "opd", "--models.teacher.path", "/no/teacher"],
+            "models.teacher.path is '/no/teacher': not a registered model",
+            id="teacher_path",
+        ),
+        pytest.param(
+            ["--algorithm.advantage.estimator", "gae", "--models.critic.path", "/no/critic"],
+            "models.critic.path is '/no/critic': not a registered model",
+            id="critic_path",
+        ),
+        pytest.param(
+            ["--algorithm.dynamic-sampling.filter-path", "bad_reward:two_args"],
+            "algorithm.dynamic_sampling.filter_path: 'bad_reward:two_args' must accept 1 positional argument(s)",
+            id="filter_plugin_signature",
+        ),
+        pytest.param(
+            ["--algorithm.reward-post-process-path", "bad_reward:nope"],
+            "algorithm.reward_post_process_path: module 'bad_reward' has no attribute 'nope'",
+            id="post_process_plugin_attr",
+        ),
+        pytest.param(
+            ["--algorithm.advantage.estimator-path", "bad_reward:keep"],
+            "algorithm.advantage.estimator_path: 'bad_reward:keep' must accept 2 positional argument(s)",
+            id="estimator_plugin_signature",
+        ),
+        pytest.param(
+            ["--data.eval-path", "no/eval.jsonl"],
+            "data.eval_path is 'no/eval.jsonl', which is not a file",
+            id="eval_file",
+        ),
+    ],
+)
+def test_missing_models_files_and_bad_plugins_validate_and_fail_at_build_naming_the_key(
+    tiny_llama_dir, tmp_path, monkeypatch, extra, message
+):
+    (tmp_path / "bad_reward.py").write_text(WRONG_SIGNATURE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "data.jsonl"
+    data.write_text(GOOD + "\n" + GOOD)
+    cfg = resolve_config("smollm2_grpo_arithmetic", _args(tiny_llama_dir, tmp_path / "runs", data, *extra))  # pure
+    with pytest.raises(RunSetupError) as err:
+        build_inputs(cfg)
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -1,3 +1,5 @@
+import typing
+
 import pytest
 import yaml
 from miles.recipes.cli import main, resolve_config
@@ -31,7 +33,7 @@ def test_every_shipped_recipe_validates(name, tmp_path):
 
 def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
     cfg = resolve_config("smollm2_grpo_arithmetic", [])
-    assert cfg.data.task == "basic_arithmetic" and cfg.algorithm.advantage_estimator == "grpo"
+    assert cfg.data.task == "basic_arithmetic" and cfg.algorithm.advantage.estimator == "grpo"
     assert (cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt) == (8, 8)
 
 
@@ -48,20 +50,32 @@ def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
             id="unknown_key",
         ),
         pytest.param(["--train.lr", "fast"], r"train.lr \[--train.lr\].*got 'fast'", id="wrong_type"),
-        pytest.param(["--algorithm.clip-high", "0.1"], "clip_high", id="clip_high_below_clip_low"),
+        pytest.param(["--algorithm.loss.clip-high", "0.1"], "clip_high", id="clip_high_below_clip_low"),
         pytest.param(["--data.source", "file"], "data.path is empty", id="file_without_path"),
         pytest.param(
-            ["--data.source", "file", "--data.path", "no/such.jsonl", "--reward.type", "math"],
-            "data.path is 'no/such.jsonl', which is not a file",
-            id="missing_data_file",
-        ),
-        pytest.param(
             ["--nosuch.key", "1"],
-            r"nosuch \[--nosuch\]: unknown key; valid keys here: model, data",
+            r"nosuch \[--nosuch\]: unknown key; valid keys here: models, data",
             id="unknown_section",
         ),
         pytest.param(["--reward.type", "custom"], "--reward.path", id="custom_reward_without_path"),
-        pytest.param(["--model.path", "/no/such/model"], r"model.path is '/no/such/model'", id="missing_model_path"),
+        pytest.param(
+            ["--model.path", "x"],
+            r"model \[--model\]: unknown key.*the flat layout of an older Miles; it is now models.policy",
+            id="flat_layout_flag",
+        ),
+        pytest.param(["--engine.type", "vllm"], "engine.type must be one of embedded", id="unimplemented_engine"),
+        pytest.param(
+            ["--engine.dtyp", "bf16"],
+            r"engine.dtyp \[--engine.dtyp\]: unknown key; valid keys here: type, dtype",
+            id="unknown_engine_key",
+        ),
+        pytest.param(["--execution.mode", "ray"], r"execution.mode \[--execution.mode\]", id="ray_not_yet"),
+        pytest.param(["--loop.mode", "fully_async"], r"loop.mode \[--loop.mode\]", id="async_not_yet"),
+        pytest.param(
+            ["--algorithm.kl.estimator", "k1"],
+            r"algorithm.kl.coef \[--algorithm.kl.coef\]: Field required",
+            id="kl_on_without_coef",
+        ),
         pytest.param(["--data.bad-rows", "ignore"], r"data.bad_rows \[--data.bad-rows\]", id="bad_rows_choice"),
         pytest.param(["--reward.timeout-s", "-1"], r"reward.timeout_s", id="negative_reward_timeout"),
         pytest.param(["--loop.keep-checkpoints", "-1"], r"loop.keep_checkpoints", id="negative_keep"),
@@ -96,23 +110,253 @@ def test_unknown_recipe_lists_the_shipped_ones():
         load_recipe("nope")
 
 
-def _undescribed(model: type[BaseModel], prefix: str = "") -> list[str]:
-    missing = []
+def _fields(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
+    """Every field of the tree, optional sections (``Section | None``) and union members included."""
+    fields = {}
     for name, field in model.model_fields.items():
-        if not field.description:
-            missing.append(prefix + name)
+        fields[prefix + name] = field
         annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            missing += _undescribed(annotation, prefix + name + ".")
-    return missing
+        sections = [annotation] if isinstance(annotation, type) else typing.get_args(annotation)
+        for section in sections:
+            if isinstance(section, type) and issubclass(section, BaseModel):
+                fields |= _fields(section, prefix + name + ".")
+    return fields
 
 
 def test_every_config_field_is_described():
-    assert _undescribed(MilesConfig) == []
+    fields = _fields(MilesConfig)
+    assert {"algorithm.kl.coef", "models.critic.value_clip", "models.teacher.path", "engine.dtype"} <= fields.keys()
+    assert [key for key, field in fields.items() if not field.description] == []
 
 
 def test_model_path_must_be_registered_or_a_model_directory(tmp_path):
     from miles.recipes.registry import resolve_model_path
 
-    with pytest.raises(ValueError, match="model.path"):
+    with pytest.raises(ValueError, match="models.policy.path"):
         resolve_model_path(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides, keys",
+    [
+        pytest.param(
+            ["--algorithm.loss.policy-loss", "gspo", "--algorithm.loss.dual-clip-c", "3"],
+            ("algorithm.loss.dual_clip_c is 3.0", "algorithm.loss.policy_loss 'gspo'", "read by: ppo"),
+            id="dual_clip_with_a_loss_without_it",
+        ),
+        pytest.param(
+            ["--rollout.mode", "sft", "--algorithm.loss.policy-loss", "sft", "--algorithm.loss.clip-high", "0.3"],
+            ("algorithm.loss.clip_high is 0.3", "algorithm.loss.policy_loss 'sft'"),
+            id="clip_with_sft",
+        ),
+        pytest.param(
+            ["--algorithm.advantage.lam", "0.9"],
+            ("algorithm.advantage.lam is 0.9", "algorithm.advantage.estimator 'grpo'", "read by: gae"),
+            id="gae_lambda_with_grpo",
+        ),
+        pytest.param(
+            ["--algorithm.advantage.estimator-path", "m:f", "--algorithm.advantage.estimator", "rloo"],
+            ("algorithm.advantage.estimator is 'rloo'", "algorithm.advantage.estimator_path"),
+            id="estimator_replaced_by_a_plugin",
+        ),
+        pytest.param(
+            ["--algorithm.loss.reducer-path", "m:f", "--algorithm.loss.aggregation", "seq_mean_token_mean"],
+            ("algorithm.loss.aggregation is 'seq_mean_token_mean'", "algorithm.loss.reducer_path"),
+            id="aggregation_replaced_by_a_plugin",
+        ),
+        pytest.param(
+            [
+                "--algorithm.rollout-correction.importance-sampling",
+                "none",
+                "--algorithm.rollout-correction.opsm",
+                "true",
+                "--algorithm.rollout-correction.level",
+                "sequence",
+            ],
+            ("algorithm.rollout_correction.level is 'sequence'", "algorithm.rollout_correction.importance_sampling"),
+            id="importance_level_without_importance_sampling",
+        ),  # fmt: skip
+        pytest.param(
+            [
+                "--algorithm.rollout-correction.importance-sampling",
+                "icepop",
+                "--algorithm.rollout-correction.level",
+                "geometric",
+            ],
+            ("algorithm.rollout_correction.level is 'geometric'", "importance_sampling is 'icepop'"),
+            id="importance_level_with_icepop",
+        ),  # fmt: skip
+        pytest.param(
+            ["--algorithm.rollout-correction.opsm-threshold", "0.1"],
+            ("algorithm.rollout_correction.opsm_threshold is 0.1", "algorithm.rollout_correction.opsm is false"),
+            id="opsm_threshold_without_opsm",
+        ),
+        pytest.param(
+            ["--algorithm.rollout-correction.importance-sampling", "none"],
+            (
+                "algorithm.rollout_correction is on",
+                "importance_sampling is 'none'",
+                "--algorithm.rollout-correction null",
+            ),
+            id="rollout_correction_that_corrects_nothing",
+        ),
+        pytest.param(
+            ["--algorithm.overlong.penalty-factor", "2"],
+            ("algorithm.overlong.penalty_factor is 2.0", "algorithm.overlong.buffer_len is 0"),
+            id="overlong_penalty_without_buffer",
+        ),
+        pytest.param(
+            ["--models.teacher.path", "t"],
+            ("models.teacher is set", "algorithm.advantage.estimator is 'grpo'", "--models.teacher null"),
+            id="teacher_without_opd",
+        ),
+        pytest.param(
+            ["--models.critic.lr", "1e-5"],
+            ("models.critic is set", "algorithm.advantage.estimator is 'grpo'", "--models.critic null"),
+            id="critic_without_gae",
+        ),
+        pytest.param(
+            ["--algorithm.advantage.estimator", "gae"],
+            ("algorithm.advantage.estimator is 'gae'", "models.critic is off", "--models.critic.lr"),
+            id="gae_without_critic",
+        ),
+        pytest.param(
+            ["--models.reference.path", "r"],
+            ("models.reference.path is 'r'", "algorithm.kl is off", "--algorithm.kl.coef"),
+            id="reference_without_kl",
+        ),
+        pytest.param(
+            ["--eval.interval", "2", "--eval.num-prompts", "0"],
+            ("eval.interval is 2", "eval.num_prompts is 0", "--eval.num-prompts"),
+            id="eval_interval_with_eval_off",
+        ),
+    ],
+)
+def test_a_setting_of_a_feature_that_is_off_is_one_line_naming_both_keys_and_the_fix(overrides, keys):
+    with pytest.raises(ValueError) as err:
+        resolve_config("smollm2_grpo_arithmetic", overrides)
+    message = str(err.value).removeprefix("invalid configuration:\n  ")
+    assert "\n" not in message, message
+    for key in keys:
+        assert key in message, (key, message)
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_a_full_dump_of_a_resolved_recipe_validates_to_the_same_config(name, tmp_path):
+    """A run's config.yaml and `miles config show` list every field, including the defaults of features a recipe
+    does not read (clip bounds of sft): they must validate again, unchanged (resume reads them)."""
+    cfg = resolve_config(name, [])
+    assert MilesConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))) == cfg
+
+
+def test_a_key_of_an_off_section_turns_it_on_with_defaults_and_null_turns_it_off():
+    from miles.core.config import CriticConfig, DynamicSamplingConfig, KLConfig
+
+    grpo = "smollm2_grpo_arithmetic"
+    assert resolve_config(grpo, []).algorithm.kl is None
+    assert resolve_config(grpo, ["--algorithm.kl.coef", "0.1"]).algorithm.kl == KLConfig(coef=0.1)
+    ppo = resolve_config("smollm2_ppo_arithmetic", ["--algorithm.kl.coef", "0.2"])
+    assert ppo.algorithm.kl == KLConfig(coef=0.2, mode="reward", estimator="k1")  # merged with the recipe's
+    for off in ("null", "none", "None", "false"):
+        assert resolve_config("smollm2_ppo_arithmetic", ["--algorithm.kl", off]).algorithm.kl is None
+    assert resolve_config(grpo, ["--algorithm.kl", "null", "--algorithm.kl.coef", "0.3"]).algorithm.kl.coef == 0.3
+    on = resolve_config(grpo, ["--algorithm.dynamic-sampling", "true"]).algorithm.dynamic_sampling
+    assert on == DynamicSamplingConfig()
+    assert (
+        resolve_config("smollm2_dapo_arithmetic", ["--algorithm.dynamic-sampling", "null"]).algorithm.dynamic_sampling
+        is None
+    )
+    gae = resolve_config(grpo, ["--algorithm.advantage.estimator", "gae", "--models.critic.lr", "2e-5"])
+    assert gae.models.critic == CriticConfig(lr=2e-5)
+    # A Literal whose value is the word "none" stays a string: only optional sections read it as off.
+    opsm = ["--algorithm.rollout-correction.importance-sampling", "none", "--algorithm.rollout-correction.opsm", "true"]
+    assert resolve_config(grpo, opsm).algorithm.rollout_correction.importance_sampling == "none"
+
+
+def test_config_show_prints_every_field_of_off_sections_as_comments_and_still_loads_as_the_config(capsys):
+    assert main(["config", "show", "smollm2_ppo_arithmetic"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out) == resolve_config("smollm2_ppo_arithmetic", []).model_dump(mode="json")
+    assert "  teacher: null  # off; --models.teacher.KEY VALUE turns it on" in out
+    assert "    # path: <required>" in out and "    # temperature: 1.0" in out  # the teacher's fields
+    assert "  dynamic_sampling: null  # off" in out and "    # over_sample: 1.0" in out
+    assert "    # Weight from rho = pi_old / pi_rollout" in out  # descriptions of an off section's fields too
+    assert "  critic:\n" in out and "    value_clip: 0.2" in out  # on
+
+
+class _DiskAccess:
+    """Records the files opened, stat'ed or listed and the modules imported while active (audit hook + os.stat)."""
+
+    hook_installed = False
+    active: list[list[str]] = []
+
+    def __init__(self, monkeypatch):
+        import os
+        import sys
+
+        if not _DiskAccess.hook_installed:  # audit hooks cannot be removed: one, idle unless a recorder is active
+            sys.addaudithook(self._audit)
+            _DiskAccess.hook_installed = True
+        self.seen: list[str] = []
+        for name in ("stat", "lstat"):
+            real = getattr(os, name)
+            monkeypatch.setattr(os, name, lambda path, *a, _real=real, **k: self._record("stat", path, _real, a, k))
+
+    @staticmethod
+    def _audit(event, args):
+        if _DiskAccess.active and event in ("open", "import", "os.listdir", "os.scandir"):
+            _DiskAccess.active[-1].append(f"{event} {args[0]}")
+
+    def _record(self, what, path, real, args, kwargs):
+        if _DiskAccess.active:
+            _DiskAccess.active[-1].append(f"{what} {path}")
+        return real(path, *args, **kwargs)
+
+    def __enter__(self):
+        _DiskAccess.active.append(self.seen)
+        return self.seen
+
+    def __exit__(self, *exc):
+        _DiskAccess.active.pop()
+
+
+CLUSTER_RECIPE = """\
+base: smollm2_ppo_arithmetic
+models:
+  policy: {path: /cluster/models/qwen3-32b}
+  reference: {path: /cluster/models/qwen3-32b-sft}
+  critic: {path: /cluster/models/qwen3-32b-critic}
+data: {source: file, path: /cluster/data/train.jsonl, eval_path: /cluster/data/test.jsonl}
+reward: {type: custom, path: cluster_rewards:score}
+algorithm:
+  loss: {policy_loss_path: cluster_plugins:loss, reducer_path: cluster_plugins:reduce}
+  dynamic_sampling: {filter_path: cluster_plugins:keep}
+  reward_post_process_path: cluster_plugins:shape
+"""
+
+
+def test_validating_and_showing_a_cluster_recipe_touches_no_file_beyond_the_recipe_yamls(tmp_path, monkeypatch, capsys):
+    """Nonexistent models, data files and plugin modules: validation is pure, so the recipe validates here."""
+    from miles.recipes.overrides import apply_overrides, documented_yaml, parse_overrides  # imported before
+
+    recipe = tmp_path / "cluster.yaml"
+    recipe.write_text(CLUSTER_RECIPE)
+    raw = load_recipe(str(recipe))
+    with _DiskAccess(monkeypatch) as seen:
+        cfg = MilesConfig.model_validate(apply_overrides(raw, parse_overrides(["--loop.num-steps", "3"])))
+        documented_yaml(cfg)
+    assert seen == [] and cfg.models.policy.path == "/cluster/models/qwen3-32b"
+    with _DiskAccess(monkeypatch) as seen:
+        assert main(["config", "show", str(recipe)]) == 0
+    touched = [entry for entry in seen if not entry.endswith(".mo")]  # argparse looks up gettext catalogs
+    assert touched and all(entry.endswith(".yaml") for entry in touched), touched  # the recipe and its base only
+    assert "cluster_plugins:loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["smollm2_grpo_arithmetic", "smollm2_ppo_arithmetic", "smollm2_opd_arithmetic"])
+def test_config_show_prints_the_description_of_every_field_on_or_off(name, capsys):
+    assert main(["config", "show", name]) == 0
+    comments = [line.strip().removeprefix("# ") for line in capsys.readouterr().out.splitlines() if "# " in line]
+    text = " ".join(comments)
+    missing = [key for key, field in _fields(MilesConfig).items() if field.description not in text]
+    assert missing == []

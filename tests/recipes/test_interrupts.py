@@ -39,7 +39,7 @@ NUM_STEPS = 4
 
 def _overrides(model_dir, run_dir, name):
     return [
-        "--model.path", str(model_dir),
+        "--models.policy.path", str(model_dir),
         "--data.size", "6",
         "--reward.type", "custom", "--reward.path", "interrupt_reward:odd_first_token",
         "--rollout.rollout-batch-size", "2", "--rollout.n-samples-per-prompt", "4",
@@ -181,7 +181,7 @@ def test_resume_uses_the_runs_latest_settings_not_an_older_checkpoints(tiny_llam
     keep 6, not go back to the 3 of the checkpoint it started from."""
     from miles.recipes.cli import resolve_config, resolve_resume
 
-    base = ["--model.path", str(tiny_llama_dir), "--run.dir", str(tmp_path), "--run.name", "ext"]
+    base = ["--models.policy.path", str(tiny_llama_dir), "--run.dir", str(tmp_path), "--run.name", "ext"]
     run = tmp_path / "ext"
     checkpoint = run / "checkpoints" / "step_3"
     checkpoint.mkdir(parents=True)

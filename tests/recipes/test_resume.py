@@ -2,9 +2,11 @@
 resuming at an epoch boundary trains exactly the remaining steps on the next epoch's order; `miles export`."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from doubles import CountingPublisher, FakeBackend, NullSink
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
 from miles.core.loop import Components, train_sync
@@ -33,7 +35,7 @@ def _train(args, tmp_path, monkeypatch):
 
 def _overrides(model_dir, run_dir, name, num_steps):
     return [
-        "--model.path", str(model_dir),
+        "--models.policy.path", str(model_dir),
         "--data.size", "6",
         "--reward.type", "custom", "--reward.path", "resume_reward:odd_first_token", "--reward.timeout-s", "10",
         "--rollout.rollout-batch-size", "2", "--rollout.n-samples-per-prompt", "4",
@@ -150,3 +152,16 @@ def test_resuming_at_an_epoch_boundary_trains_exactly_the_remaining_epoch(tmp_pa
     assert first_rows + second_rows == straight_rows  # the same order as without the interruption
     assert second_rows != first_rows  # each epoch is reshuffled
     assert read_latest(tmp_path / "split").name == "step_120"
+
+
+def test_resuming_a_run_an_older_miles_wrote_in_the_flat_layout_is_one_line_naming_the_key(tmp_path, capsys):
+    flat = yaml.safe_load((Path(__file__).parent / "flat_resolved_configs.yaml").read_text())["smollm2_ppo_arithmetic"]
+    run = tmp_path / "old"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    for where in (run, run / "checkpoints" / "step_2"):
+        (where / "config.yaml").write_text(yaml.safe_dump({**flat, "run": {**flat["run"], "name": "old"}}))
+    for resume in (["--resume"], ["--resume", str(run / "checkpoints" / "step_2")]):
+        assert main(["train", "--run.dir", str(tmp_path), "--run.name", "old", *resume]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("miles: --resume: "), err
+        assert "was written by an older Miles (flat config layout: model.path is now models.policy.path)" in err

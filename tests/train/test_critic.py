@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from miles.core.algorithms.objective import PolicyObjective
-from miles.core.config import AlgorithmConfig
+from miles.core.config import AdvantageConfig, AlgorithmConfig, CriticConfig
 from miles.core.loop import train_step
 from miles.train import FSDP2Backend, TrainConfig
 
@@ -48,7 +48,9 @@ def test_policy_and_critic_train_steps_raise_no_view_tensor_warning(tmp_path, ti
     assert not views, views
 
 
-GAE = PolicyObjective(AlgorithmConfig(advantage_estimator="gae"), max_new_tokens=8)
+GAE = PolicyObjective(
+    AlgorithmConfig(advantage=AdvantageConfig(estimator="gae")), max_new_tokens=8, critic=CriticConfig()
+)
 
 
 def _critic_backend(model_dir, *, lr=1e-3, **train):
@@ -90,5 +92,5 @@ def test_a_nonfinite_critic_step_is_skipped_and_counted_or_stops_the_run(tiny_ll
 
     stopping = _critic_backend(tiny_llama_dir, skip_nonfinite_steps=False)
     batch = _critic_batch(stopping, returns_offset=bad)
-    with pytest.raises(FloatingPointError, match=r"critic loss is .*algorithm.critic_lr.*skip-nonfinite-steps true"):
+    with pytest.raises(FloatingPointError, match=r"critic loss is .*models.critic.lr.*skip-nonfinite-steps true"):
         train_step(stopping, batch, GAE)

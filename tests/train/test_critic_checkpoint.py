@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from miles.core.algorithms.objective import PolicyObjective
-from miles.core.config import AlgorithmConfig
+from miles.core.config import AdvantageConfig, AlgorithmConfig, CriticConfig
 from miles.core.loop import train_step
 from miles.train import FSDP2Backend, TrainConfig
 from miles.train.fsdp2.state import full_model_state
@@ -15,7 +15,9 @@ from miles.train.fsdp2.state import full_model_state
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_fixture import make_batch  # noqa: E402
 
-GAE = PolicyObjective(AlgorithmConfig(advantage_estimator="gae"), max_new_tokens=8)
+GAE = PolicyObjective(
+    AlgorithmConfig(advantage=AdvantageConfig(estimator="gae")), max_new_tokens=8, critic=CriticConfig()
+)
 
 
 def _backend(model_dir, critic_path, **train):

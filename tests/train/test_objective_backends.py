@@ -8,7 +8,7 @@ import pytest
 import torch
 from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.batch import TrainBatch, split_micro_batches
-from miles.core.config import AlgorithmConfig
+from miles.core.config import AlgorithmConfig, KLConfig, LossConfig, RolloutCorrectionConfig
 from miles.core.log_probs import model_response_log_probs
 from miles.train import FSDP2Backend, TrainConfig
 
@@ -53,13 +53,19 @@ class ReferenceBackend:
 
 ALGORITHMS = {
     "grpo": AlgorithmConfig(),
-    "dapo_clip_higher_dual_clip": AlgorithmConfig(clip_high=0.28, dual_clip_c=3.0),
-    "kl_loss_entropy_bonus": AlgorithmConfig(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01),
-    "gspo": AlgorithmConfig(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean_token_mean"),
-    "cispo_dr_grpo_norm": AlgorithmConfig(policy_loss="cispo", aggregation="seq_mean_token_sum_norm"),
-    "tis_sequence": AlgorithmConfig(importance_sampling="tis", importance_level="sequence", importance_upper=2.0),
+    "dapo_clip_higher_dual_clip": AlgorithmConfig(loss=LossConfig(clip_high=0.28, dual_clip_c=3.0)),
+    "kl_loss_entropy_bonus": AlgorithmConfig(kl=KLConfig(coef=0.1, estimator="k3"), loss=LossConfig(entropy_coef=0.01)),
+    "gspo": AlgorithmConfig(
+        loss=LossConfig(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean_token_mean")
+    ),
+    "cispo_dr_grpo_norm": AlgorithmConfig(loss=LossConfig(policy_loss="cispo", aggregation="seq_mean_token_sum_norm")),
+    "tis_sequence": AlgorithmConfig(
+        rollout_correction=RolloutCorrectionConfig(importance_sampling="tis", level="sequence", upper=2.0)
+    ),
     "icepop_opsm": AlgorithmConfig(
-        importance_sampling="icepop", importance_lower=0.5, importance_upper=5.0, opsm=True, opsm_threshold=0.01
+        rollout_correction=RolloutCorrectionConfig(
+            importance_sampling="icepop", lower=0.5, upper=5.0, opsm=True, opsm_threshold=0.01
+        )
     ),
 }
 
@@ -84,7 +90,7 @@ def test_the_fsdp2_backend_and_a_plain_torch_backend_get_equal_gradients(tiny_ll
     # A row of all-zero advantages: rows without signal are skipped where the objective allows it.
     batch = batch.replace(advantages=batch.advantages * torch.tensor([1.0, 0, 1, 1, 1, 1])[:, None])
     # The current policy as the old one for the on-policy case, shifted log-probs for the off-policy one.
-    batch = _off_policy(batch, ref=algorithm.kl_coef > 0)
+    batch = _off_policy(batch, ref=algorithm.kl is not None)
     counts = LossCounts.of(batch)
 
     reference = ReferenceBackend(tiny_llama_dir, micro_batch_size=4)

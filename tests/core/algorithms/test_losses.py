@@ -2,6 +2,7 @@ from typing import get_args
 
 import pytest
 import torch
+from miles.core.algorithms.config import PolicyLoss
 from miles.core.algorithms.losses import (
     LossParams,
     aggregate,
@@ -13,7 +14,6 @@ from miles.core.algorithms.losses import (
     sft_loss,
     value_loss,
 )
-from miles.core.config import PolicyLoss
 
 
 def test_ppo_clip_loss_and_gradient_match_hand_values_on_a_2x3_example():

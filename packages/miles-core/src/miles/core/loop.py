@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from miles.core.algorithms.advantages import AdvantageInputs, AdvantageParams, compute_advantages
+from miles.core.algorithms.config import load_algorithm_plugins
 from miles.core.algorithms.masking import (
     has_trainable_tokens,
     overlong_filter_keep,
@@ -22,7 +23,7 @@ from miles.core.algorithms.masking import (
 from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.batch import TrainBatch, build_train_batch
 from miles.core.buffer import RolloutGroups, collect_groups
-from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
+from miles.core.config import AlgorithmConfig, CriticConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
 from miles.core.logs import warn_once
 from miles.core.plugins import load_plugin
 from miles.core.protocols import (
@@ -69,19 +70,23 @@ def train_sync(
     rollout: RolloutConfig,
     algorithm: AlgorithmConfig,
     evaluation: EvalConfig,
+    critic: CriticConfig | None = None,
     start_step: int = 0,
 ) -> int:
     """Run steps ``start_step .. loop.num_steps - 1``; evaluate before the first and after the last.
 
     Checkpoints are saved every ``loop.save_interval`` steps, after the last, and after the step during which
-    ``components.should_stop()`` became True; the run then ends there (without the final eval).
+    ``components.should_stop()`` became True; the run then ends there (without the final eval). ``critic`` is the
+    ``models.critic`` section (its value clip), for an estimator that trains a critic.
     Returns: the number of completed steps (``loop.num_steps`` unless stopped early).
-    Raises: ValueError before anything runs if ``algorithm`` needs groups of >= 2 samples and ``rollout`` has one
-        (``check_group_size``, the rule the root config also applies).
+    Raises: before anything runs: ValueError if ``algorithm`` needs groups of >= 2 samples and ``rollout`` has one
+        (``check_group_size``, the rule the root config also applies); ImportError/AttributeError/TypeError naming
+        the key of a plugin that does not load or has the wrong signature.
     """
     check_group_size(rollout, algorithm)
+    load_algorithm_plugins(algorithm)
     c = components
-    objective = PolicyObjective(algorithm, max_new_tokens=rollout.sampling.max_new_tokens)
+    objective = PolicyObjective(algorithm, max_new_tokens=rollout.sampling.max_new_tokens, critic=critic)
     if evaluation.num_prompts and c.eval_prompts and start_step == 0:
         c.sink.log(evaluate(c, evaluation), step=0)
     for step in range(start_step, loop.num_steps):
@@ -115,7 +120,8 @@ def run_step(
 ) -> dict[str, float]:
     """One rollout step: generate (+ dynamic sampling), score, shape, advantages, train, publish weights.
 
-    ``objective`` is built from ``algorithm`` when not given (``train_sync`` builds it once per run).
+    ``objective`` is built from ``algorithm`` when not given (``train_sync`` builds it once per run; an estimator
+    with a critic needs it given).
     """
     if objective is None:
         objective = PolicyObjective(algorithm, max_new_tokens=rollout.sampling.max_new_tokens)
@@ -132,14 +138,15 @@ def run_step(
     # trainable token of its own, so that a sample of only tool tokens does not shift its siblings' advantages.
     valid = [v and t for v, t in zip(scored, has_trainable_tokens(samples))]
     trained = scored
-    if algorithm.overlong_filter:  # truncated samples stay in their group's statistics but are not trained
+    if algorithm.overlong.filter:  # truncated samples stay in their group's statistics but are not trained
         trained = [v and keep for v, keep in zip(scored, overlong_filter_keep(samples))]
     valid_t = torch.tensor(valid)
     batch = build_train_batch(samples, torch.zeros(len(samples)), pad_token_id=PAD_TOKEN_ID, trained=trained)
-    estimator = algorithm.advantage_estimator
-    if algorithm.advantage_estimator_path:
-        estimator = load_plugin(algorithm.advantage_estimator_path, key="algorithm.advantage_estimator_path")
-    kl_in_reward = algorithm.kl_coef > 0.0 and algorithm.kl_mode == "reward"
+    advantage, kl = algorithm.advantage, algorithm.kl
+    estimator = advantage.estimator
+    if advantage.estimator_path:
+        estimator = load_plugin(advantage.estimator_path, key="algorithm.advantage.estimator_path")
+    kl_in_reward = kl is not None and kl.mode == "reward"
     outputs = objective.advantage_outputs(c.backend.available_outputs)
     if outputs:  # old/ref/teacher log-probs and critic values, as the estimator needs them
         batch = c.backend.forward(batch, outputs=outputs)
@@ -155,11 +162,11 @@ def run_step(
         values=batch.values,
     )
     params = AdvantageParams(
-        eps=algorithm.advantage_eps,
-        gamma=algorithm.gamma,
-        lam=algorithm.lam,
-        kl_coef_in_reward=algorithm.kl_coef if kl_in_reward else 0.0,
-        kl_estimator=algorithm.kl_estimator,
+        eps=advantage.eps,
+        gamma=advantage.gamma,
+        lam=advantage.lam,
+        kl_coef_in_reward=kl.coef if kl_in_reward else 0.0,
+        kl_estimator=kl.estimator if kl is not None else "k3",  # read only when kl_coef_in_reward > 0
     )
     advantages, returns = compute_advantages(inputs, estimator=estimator, params=params)
     batch = batch.replace(advantages=advantages, returns=returns)
@@ -200,7 +207,7 @@ def collect_samples(
     c: Components, *, step: int, rollout: RolloutConfig, algorithm: AlgorithmConfig
 ) -> tuple[list[Sample], int, dict[str, float]]:
     """Generate and score ``rollout_batch_size`` groups; with dynamic sampling, keep only groups that pass the
-    filter (default: rewards not all equal) and generate more, for at most ``dynamic_sampling_max_rounds`` rounds.
+    filter (default: rewards not all equal) and generate more, for at most ``dynamic_sampling.max_rounds`` rounds.
 
     Samples come in prompt order, numbered by position (``miles.core.buffer.collect_groups``), and each is sampled
     with the seed of its position in its round, whatever order the groups complete in.
@@ -208,15 +215,16 @@ def collect_samples(
         dynamic_sampling/{rounds, filtered_groups}).
     Raises: RuntimeError naming the counts when dynamic sampling cannot fill the batch in its rounds.
     """
+    dynamic = algorithm.dynamic_sampling
     group_filter = _keeps_signal
-    if algorithm.dynamic_sampling_filter_path:
-        group_filter = load_plugin(algorithm.dynamic_sampling_filter_path, key="algorithm.dynamic_sampling_filter_path")
-    num_rounds = algorithm.dynamic_sampling_max_rounds if algorithm.dynamic_sampling else 1
+    if dynamic is not None and dynamic.filter_path:
+        group_filter = load_plugin(dynamic.filter_path, key="algorithm.dynamic_sampling.filter_path")
+    num_rounds = dynamic.max_rounds if dynamic is not None else 1
     kept: list[list[Sample]] = []
     num_failed = num_filtered = 0
     for round_index in range(num_rounds):
         missing = rollout.rollout_batch_size - len(kept)
-        num_prompts = missing if round_index == 0 else math.ceil(missing * algorithm.dynamic_sampling_over_sample)
+        num_prompts = missing if round_index == 0 else math.ceil(missing * dynamic.over_sample)
         # The parts of the async loop with a buffer of one round: a producer runs the rollout function (adapted to
         # groups: one call per round, so it still batches) into a bounded buffer; groups come back in prompt order.
         seed = rollout.seed + 1_000_003 * step + 7_919 * round_index
@@ -231,7 +239,7 @@ def collect_samples(
         )
         samples = [s for group in groups for s in group]
         num_failed += score_samples(samples, c.reward_fn)
-        if not algorithm.dynamic_sampling:
+        if dynamic is None:
             return samples, num_failed, {}
         for group in groups:
             if len(kept) < rollout.rollout_batch_size and group_filter(group):
@@ -250,9 +258,9 @@ def collect_samples(
     logger.warning("step %d: dynamic sampling kept %d groups, filtered %d", step, len(kept), num_filtered)
     raise RuntimeError(
         f"step {step}: dynamic sampling kept {len(kept)} of rollout.rollout_batch_size={rollout.rollout_batch_size} "
-        f"groups after algorithm.dynamic_sampling_max_rounds={num_rounds} generation rounds ({num_filtered} groups "
+        f"groups after algorithm.dynamic_sampling.max_rounds={num_rounds} generation rounds ({num_filtered} groups "
         "filtered: all rewards equal, so no learning signal). The task is too easy or too hard for the model: raise "
-        "--algorithm.dynamic-sampling-max-rounds or --algorithm.dynamic-sampling-over-sample, raise "
+        "--algorithm.dynamic-sampling.max-rounds or --algorithm.dynamic-sampling.over-sample, raise "
         "--rollout.n-samples-per-prompt, or pick a task of fitting difficulty."
     )
 
@@ -267,14 +275,14 @@ def shape_rewards(
     samples: Sequence[Sample], scores: torch.Tensor, *, rollout: RolloutConfig, algorithm: AlgorithmConfig
 ) -> torch.Tensor:
     """Scores [B] float32 -> rewards [B] float32: DAPO overlong penalty, then the reward post-process plugin."""
-    rewards = scores
-    if algorithm.overlong_buffer_len:
+    rewards, overlong = scores, algorithm.overlong
+    if overlong.buffer_len:
         lengths = torch.tensor([s.response_length for s in samples], dtype=torch.int64)
         rewards = rewards + overlong_penalty(
             lengths,
             max_length=rollout.sampling.max_new_tokens,
-            buffer_length=algorithm.overlong_buffer_len,
-            factor=algorithm.overlong_penalty_factor,
+            buffer_length=overlong.buffer_len,
+            factor=overlong.penalty_factor,
         )
     if algorithm.reward_post_process_path:
         post_process = load_plugin(algorithm.reward_post_process_path, key="algorithm.reward_post_process_path")
@@ -316,7 +324,7 @@ NO_SIGNAL_WARNING = (
     "task or a larger model; more samples per prompt (--rollout.n-samples-per-prompt 8); a longer "
     "--rollout.sampling.max-new-tokens if answers are cut off (see truncated_ratio); check the reward function and "
     "the answer format it expects (miles config show RECIPE); or keep only groups with signal "
-    "(--algorithm.dynamic-sampling true). Shown once; metrics.jsonl has groups/no_signal_ratio for every step."
+    "(--algorithm.dynamic-sampling.max-rounds 3). Shown once; metrics.jsonl has groups/no_signal_ratio for every step."
 )
 
 

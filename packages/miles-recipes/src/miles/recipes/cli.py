@@ -20,10 +20,31 @@ DEFAULT_RECIPE = "smollm2_grpo_arithmetic"
 
 
 def resolve_config(recipe: str, override_args: list[str]):
-    """Recipe + overrides -> validated ``MilesConfig``. Raises ValueError with a readable message."""
+    """Recipe (its ``base`` chain merged) + overrides -> validated ``MilesConfig``; reads the recipe files only.
+
+    Raises: ValueError with a readable message.
+    """
     from miles.recipes.registry import load_recipe
 
     return _validate(load_recipe(recipe), override_args)
+
+
+def _recorded(path: Path) -> dict:
+    """The config a run recorded (its or its checkpoint's ``config.yaml``).
+
+    Raises: ValueError in one line when an older Miles wrote it in the flat layout, naming the key.
+    """
+    from miles.recipes.config import RENAMED_KEYS, flat_layout_key
+
+    raw = yaml.safe_load(path.read_text()) or {}
+    key = flat_layout_key(raw)
+    if key is not None:
+        raise ValueError(
+            f"--resume: {path} was written by an older Miles (flat config layout: {key} is now {RENAMED_KEYS[key]}), "
+            "so this Miles cannot continue that run. Start a new run (without --resume), or continue it with the "
+            "Miles version that wrote it."
+        )
+    return raw
 
 
 def _validate(raw: dict, override_args: list[str]):
@@ -64,9 +85,9 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
                 "checkpoint); check --run.name and --run.dir, or start it without --resume"
             )
         if checkpoint is None:  # built and started, stopped before its first checkpoint: again from step 0
-            return _validate(yaml.safe_load(recorded.read_text()), override_args), run_dir, None
+            return _validate(_recorded(recorded), override_args), run_dir, None
         if recorded.is_file():  # the run's latest settings, e.g. a --loop.num-steps raised by an earlier resume
-            return _validate(yaml.safe_load(recorded.read_text()), override_args), run_dir, checkpoint
+            return _validate(_recorded(recorded), override_args), run_dir, checkpoint
     else:
         checkpoint = Path(resume)
     if not (checkpoint / "config.yaml").is_file():
@@ -74,7 +95,7 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
             f"--resume {checkpoint}: no config.yaml there, so it is not a complete Miles checkpoint; pass a "
             "runs/<name>/checkpoints/step_N directory"
         )
-    cfg = _validate(yaml.safe_load((checkpoint / "config.yaml").read_text()), override_args)
+    cfg = _validate(_recorded(checkpoint / "config.yaml"), override_args)
     named = "run.name" in parse_overrides(override_args)
     run_dir = Path(cfg.run.dir) / cfg.run.name if named else checkpoint.parent.parent
     return cfg, run_dir, checkpoint
@@ -88,13 +109,16 @@ common options (any config key works as --section.key VALUE; dashes or underscor
   --rollout.n-samples-per-prompt N      samples per prompt (the GRPO group size)
   --rollout.sampling.max-new-tokens N   response length limit
   --train.lr LR                         learning rate
-  --algorithm.advantage-estimator NAME  grpo, dr_grpo, rloo, reinforce_plus_plus, gae, opd, ...
-  --model.path PATH                     a registered model name or a local HF model directory
+  --algorithm.advantage.estimator NAME  grpo, dr_grpo, rloo, reinforce_plus_plus, gae, opd, ...
+  --algorithm.loss.policy-loss NAME     ppo, gspo, cispo, sft
+  --algorithm.kl.coef C                 KL to the reference (turns algorithm.kl on; --algorithm.kl null: off)
+  --models.policy.path PATH             a registered model name or a local HF model directory
   --data.source file --data.path F      train on a JSONL/Parquet file (--data.eval-path for its eval file)
   --reward.type math|custom             math-verify, or --reward.path module:function
   --eval.num-prompts N                  held-out eval prompts (0 = no eval)
   --run.name NAME  --run.dir DIR        where the run directory goes (default runs/<recipe>-<time>)
   --run.num-threads N                   torch threads (1 when another job shares the cores)
+a key inside an optional section turns it on (the rest at defaults); --SECTION null turns it off.
 
 every key, its default and its description:  miles config show RECIPE
 shipped recipes:                             miles recipes list

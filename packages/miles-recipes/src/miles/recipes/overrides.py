@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import textwrap
+import typing
 from typing import Any
 
 import yaml
+from miles.core.algorithms.config import section_switch
 from pydantic import BaseModel
 
 
@@ -34,16 +36,21 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
 def apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``config`` with each dotted key set (intermediate sections are created).
 
-    Unknown keys are kept so that validation reports them with the allowed names.
+    A key inside a section that is off (``null``, or absent with a null default) turns it on, the other fields at
+    their defaults: ``--algorithm.kl.coef 0.1``; ``--algorithm.kl null`` turns it off again. Unknown keys are kept
+    so that validation reports them with the allowed names.
     """
     result = copy.deepcopy(config)
     for dotted, value in overrides.items():
         node = result
         *parents, leaf = dotted.split(".")
         for part in parents:
-            child = node.setdefault(part, {})
+            child = section_switch(node.get(part))
+            if child is None:  # absent or off: turned on, the other keys at their defaults
+                child = {}
             if not isinstance(child, dict):
                 raise ValueError(f"--{dotted}: {part!r} is a value, not a section")
+            node[part] = child
             node = child
         node[leaf] = value
     return result
@@ -53,11 +60,15 @@ def format_validation_error(err: Any, model: type[BaseModel] | None = None) -> s
     """One line per pydantic error: ``dotted.key [--cli-form]: reason (got value)``.
 
     Cross-field errors (raised by a section's validator) already name their keys, so they are printed as is;
-    an unknown key lists the valid keys of its section (``model`` is the root config class).
+    an unknown key lists the valid keys of its section (``model`` is the root config class) and, for a key of the
+    flat layout of an older Miles, where it lives now.
     """
+    from miles.recipes.config import RENAMED_KEYS
+
     lines = ["invalid configuration:"]
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
+        parts, section = _config_loc(model, e["loc"])
+        key = ".".join(parts)
         message = e["msg"].removeprefix("Value error, ")
         if e["type"] == "value_error":  # a model_validator: the message names the keys and the fix
             lines.append(f"  {message}")
@@ -65,38 +76,104 @@ def format_validation_error(err: Any, model: type[BaseModel] | None = None) -> s
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
         if e["type"] == "extra_forbidden":
             message = "unknown key"
-            section = _section_model(model, e["loc"][:-1])
-            if section is not None:
-                message += f"; valid keys here: {', '.join(section.model_fields)}"
+        if key in RENAMED_KEYS:
+            message += f" (a key of the flat layout of an older Miles; it is now {RENAMED_KEYS[key]})"
+        if e["type"] == "extra_forbidden" and section is not None:
+            message += f"; valid keys here: {', '.join(section.model_fields)}"
+        if e["type"] == "missing" and len(parts) > 1:  # a required key of an optional section that was turned on
+            section_key = ".".join(parts[:-1])
+            message += f" while {section_key} is on (or turn it off: --{section_key.replace('_', '-')} null)"
         lines.append(f"  {key} [--{key.replace('_', '-')}]: {message}{got}")
     return "\n".join(lines)
 
 
-def _section_model(model: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model class at a dotted location of the root config, or None."""
-    for part in loc:
-        if model is None or part not in model.model_fields:
-            return None
-        annotation = model.model_fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return model
+def _section_members(annotation: Any) -> list[type[BaseModel]]:
+    """The config section classes a field annotation allows: the model, the model of ``Section | None``, or the
+    members of a union of sections (the engine)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
 
 
-def documented_yaml(config: BaseModel, indent: int = 0) -> str:
-    """YAML of a config with each field's description as a comment above it (``miles config show``)."""
+def section_class(annotation: Any) -> type[BaseModel] | None:
+    """The one config section class of a field annotation (``Section`` or ``Section | None``), else None."""
+    members = _section_members(annotation)
+    return members[0] if len(members) == 1 else None
+
+
+def _config_loc(model: type[BaseModel] | None, loc: tuple) -> tuple[list[str], type[BaseModel] | None]:
+    """The dotted config key of a pydantic error location, without the tags pydantic adds for a discriminated
+    union (``engine.embedded.dtype`` -> ``engine.dtype``), and the section class holding its last part."""
+    parts: list[str] = []
+    candidates = [model] if model is not None else []
+    holder = model
+    for part in map(str, loc):
+        tagged = [c for c in candidates if part not in c.model_fields and _type_tag(c) == part]
+        if tagged:
+            candidates = tagged
+            continue
+        parts.append(part)
+        owner = next((c for c in candidates if part in c.model_fields), None)
+        holder = owner if owner is not None else (candidates[0] if len(candidates) == 1 else None)
+        candidates = _section_members(owner.model_fields[part].annotation) if owner is not None else []
+    return parts, holder
+
+
+def _type_tag(section: type[BaseModel]) -> str | None:
+    """The ``type`` literal of a member of a discriminated union section (``embedded``), or None."""
+    field = section.model_fields.get("type")
+    return field.default if field is not None and isinstance(field.default, str) else None
+
+
+def documented_yaml(config: BaseModel, indent: int = 0, prefix: str = "") -> str:
+    """YAML of a config with each field's description as a comment above it (``miles config show``).
+
+    A section that is off prints as ``null`` followed by its fields (defaults, or ``<required>``) as comments,
+    so every field is shown and the output still loads as the config.
+    """
     lines = []
     pad = " " * indent
     for name, field in type(config).model_fields.items():
         value = getattr(config, name)
         if field.description:
-            lines.extend(f"{pad}# {line}" for line in textwrap.wrap(field.description, 116 - indent))
+            lines.extend(f"{pad}# {line}" for line in _wrap(field.description, 116 - indent))
         if isinstance(value, BaseModel):
             lines.append(f"{pad}{name}:")
-            lines.append(documented_yaml(value, indent + 2))
+            lines.append(documented_yaml(value, indent + 2, f"{prefix}{name}."))
+        elif value is None and section_class(field.annotation) is not None:
+            flag = "--" + f"{prefix}{name}".replace("_", "-")
+            lines.append(f"{pad}{name}: null  # off; {flag}.KEY VALUE turns it on, the other keys at these defaults")
+            lines.append(_documented_defaults(section_class(field.annotation), indent + 2))
         else:
-            dumped = yaml.safe_dump({name: _plain(value)}, sort_keys=False, default_flow_style=True, width=1000)
-            lines.append(pad + dumped.strip().removeprefix("{").removesuffix("}"))
+            lines.append(pad + _dumped(name, value))
     return "\n".join(lines)
+
+
+def _documented_defaults(section: type[BaseModel], indent: int) -> str:
+    """The fields of a section that is off, as comments: description, then ``# key: default``."""
+    lines = []
+    pad = " " * indent
+    for name, field in section.model_fields.items():
+        if field.description:
+            lines.extend(f"{pad}# {line}" for line in _wrap(field.description, 114 - indent))
+        nested = section_class(field.annotation)
+        if field.is_required():
+            lines.append(f"{pad}# {name}: <required>")
+        elif nested is not None and field.get_default(call_default_factory=True) is not None:
+            lines.append(f"{pad}# {name}:")
+            lines.append(_documented_defaults(nested, indent + 2))
+        else:
+            lines.append(f"{pad}# {_dumped(name, field.get_default(call_default_factory=True))}")
+    return "\n".join(lines)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    return textwrap.wrap(text, width, break_on_hyphens=False)  # "log-probs" stays one word
+
+
+def _dumped(name: str, value: Any) -> str:
+    dumped = yaml.safe_dump({name: _plain(value)}, sort_keys=False, default_flow_style=True, width=1000)
+    return dumped.strip().removeprefix("{").removesuffix("}")
 
 
 def _plain(value: Any) -> Any:

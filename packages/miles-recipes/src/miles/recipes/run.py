@@ -1,4 +1,7 @@
-"""Build the components of a run from a validated ``MilesConfig`` and drive the loop."""
+"""Build the components of a run from a validated ``MilesConfig`` and drive the loop.
+
+Validation is pure; everything that reads the disk or imports user code is checked here, first and cheaply
+(``build_inputs``): model paths, data files, reward and algorithm plugins."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from miles.core.algorithms.config import load_algorithm_plugins
 from miles.core.loop import Components, train_sync
 from miles.core.plugins import load_plugin
 from miles.core.protocols import DataSource, RewardFn
@@ -22,7 +26,7 @@ from miles.core.rewards import TimeLimitedReward
 from miles.recipes.checkpoint import restore_run_checkpoint, save_run_checkpoint, write_atomic
 from miles.recipes.config import MilesConfig
 from miles.recipes.interrupts import StopRequest
-from miles.recipes.registry import resolve_model_path
+from miles.recipes.registry import check_model_path, resolve_model_path
 from miles.recipes.sinks import ConsoleSink, JsonlSink, MultiSink, plot_rewards
 from miles.rollout.config import DataConfig, RewardConfig
 
@@ -60,10 +64,18 @@ def build_data_sources(data: DataConfig, *, num_eval_prompts: int) -> tuple[Data
 
     A reasoning-gym task draws eval entries with ``data.eval_seed``. A file source evaluates on
     ``data.eval_path``, or, without one, on ``num_eval_prompts`` rows of ``data.path`` held out of training.
-    Raises: as ``FileSource`` / ``ReasoningGymSource`` (ValueError, FileNotFoundError naming the key).
+    Raises: ValueError naming ``data.path`` / ``data.eval_path`` when it is not a file; as ``FileSource`` /
+        ``ReasoningGymSource`` (ValueError, FileNotFoundError naming the key).
     """
     from miles.rollout.data import FileSource, ReasoningGymSource
 
+    if data.source == "file":
+        for key, value in (("path", data.path), ("eval_path", data.eval_path)):
+            if value and not Path(value).expanduser().is_file():
+                raise ValueError(
+                    f"data.{key} is {value!r}, which is not a file (relative paths start at the current directory "
+                    f"{Path.cwd()}); pass --data.{key.replace('_', '-')} /path/to/file.jsonl"
+                )
     system_prompt = data.system_prompt or None
     if data.source == "reasoning_gym":
 
@@ -118,33 +130,53 @@ def build_reward(reward: RewardConfig) -> RewardFn:
     return TimeLimitedReward(reward_fn, timeout_s=reward.timeout_s) if reward.timeout_s else reward_fn
 
 
-def algorithm_models(cfg: MilesConfig, model_path: Path) -> dict[str, object]:
-    """The models the algorithm needs, as backend kwargs: a reference (KL), the teacher and critic directories
-    (registered names resolved) and their settings."""
-    from miles.core.algorithms.registry import ESTIMATORS
+def model_paths(cfg: MilesConfig) -> dict[str, str]:
+    """The model paths a run loads, by dotted key: the policy and, as the config holds them, reference (a set
+    path, while KL is on), critic (a set path) and teacher."""
+    models = cfg.models
+    paths = {"models.policy.path": models.policy.path}
+    if cfg.algorithm.kl is not None and models.reference.path:
+        paths["models.reference.path"] = models.reference.path
+    if models.critic is not None and models.critic.path:
+        paths["models.critic.path"] = models.critic.path
+    if models.teacher is not None:
+        paths["models.teacher.path"] = models.teacher.path
+    return paths
 
-    algorithm = cfg.algorithm
-    teacher = resolve_model_path(algorithm.teacher_path) if algorithm.teacher_path else None
-    critic = None
-    if ESTIMATORS[algorithm.advantage_estimator].critic and not algorithm.advantage_estimator_path:
-        critic = resolve_model_path(algorithm.critic_path) if algorithm.critic_path else model_path
-    return {
-        "reference": algorithm.kl_coef > 0.0,
-        "teacher_path": teacher,
-        "teacher_temperature": algorithm.teacher_temperature,
-        "critic_path": critic,
-        "critic_lr": algorithm.critic_lr,
-    }
+
+def algorithm_models(cfg: MilesConfig, model_path: Path) -> dict[str, object]:
+    """The models the algorithm needs, as backend kwargs: the reference (while ``algorithm.kl`` is on; the initial
+    policy unless ``models.reference.path``), the teacher and critic directories (registered names resolved; an
+    empty critic path is the policy) and their settings."""
+    models = cfg.models
+
+    def resolve(key: str, path: str) -> Path:
+        return resolve_model_path(path, key=key) if path else model_path
+
+    kwargs: dict[str, object] = {}
+    if cfg.algorithm.kl is not None:
+        kwargs["reference_path"] = resolve("models.reference.path", models.reference.path)
+    if models.teacher is not None:
+        kwargs["teacher_path"] = resolve("models.teacher.path", models.teacher.path)
+        kwargs["teacher_temperature"] = models.teacher.temperature
+    if models.critic is not None:
+        kwargs["critic_path"] = resolve("models.critic.path", models.critic.path)
+        kwargs["critic_lr"] = models.critic.lr
+    return kwargs
 
 
 def build_inputs(cfg: MilesConfig) -> tuple[RewardFn, DataSource, list]:
-    """The user-supplied parts of a run, built first because they fail cheaply: (reward function, training data
-    source, eval prompts).
+    """The user-supplied parts of a run, checked and built first because they fail cheaply: model paths exist,
+    algorithm plugins import with the right signatures; then (reward function, training data source, eval
+    prompts).
 
-    Raises: RunSetupError with one line naming the key and the fix (bad data file or row, reward plugin that
-        does not import or has the wrong signature, ...).
+    Raises: RunSetupError with one line naming the key and the fix (a model path that is neither registered nor
+        an HF directory, a bad data file or row, a plugin that does not import or has the wrong signature, ...).
     """
     try:
+        for key, path in model_paths(cfg).items():
+            check_model_path(path, key=key)
+        load_algorithm_plugins(cfg.algorithm)
         reward_fn = build_reward(cfg.reward)
         data_source, eval_source = build_data_sources(cfg.data, num_eval_prompts=cfg.eval.num_prompts)
         eval_prompts = eval_source.next_prompts(cfg.eval.num_prompts) if eval_source is not None else []
@@ -189,7 +221,7 @@ def run(
     with _run_log(run_dir) as start_log:
         # Everything is validated; now build (the order puts cheap failures first).
         reward_fn, data_source, eval_prompts = build_inputs(cfg)
-        model_path = resolve_model_path(cfg.model.path)
+        model_path = resolve_model_path(cfg.models.policy.path, key="models.policy.path")
         t0 = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         engine = EmbeddedEngine(
@@ -225,7 +257,7 @@ def run(
         if resume_from is not None:  # last: building the models above consumed RNG draws the checkpoint must undo
             state = restore_run_checkpoint(resume_from, backend=backend, data_source=data_source)
             start_step = state.step
-            if state.weight_version > 0:  # the engine starts from model.path: give it the checkpoint's weights
+            if state.weight_version > 0:  # the engine starts from models.policy.path: give it the checkpoint's weights
                 publisher = EnginePublisher(backend, [engine], version=state.weight_version - 1)
                 publisher.publish()  # as the checkpoint's version; the next step's publish continues from it
             _drop_metrics_after(run_dir / "metrics.jsonl", start_step)
@@ -284,6 +316,7 @@ def run(
                     rollout=cfg.rollout,
                     algorithm=cfg.algorithm,
                     evaluation=cfg.eval,
+                    critic=cfg.models.critic,
                     start_step=start_step,
                 )
         finally:

@@ -1,11 +1,11 @@
-"""Config sections owned by miles-rollout: data, engine, reward."""
+"""Config sections owned by miles-rollout: data, engine, reward. Validation reads no file: data files are checked
+when the data source is built."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 
 class _Section(BaseModel):
@@ -28,7 +28,11 @@ class DataConfig(_Section):
     eval_seed: int = Field(
         999_999, description="Seed of the held-out eval entries (a different seed gives different prompts)."
     )
-    path: str = Field("", description="JSONL/Parquet training file (source=file), e.g. GSM8K's train.jsonl.")
+    path: str = Field(
+        "",
+        description="JSONL/Parquet training file (source=file), e.g. GSM8K's train.jsonl; relative to the current "
+        "directory. Checked when the run is built.",
+    )
     eval_path: str = Field(
         "",
         description="JSONL/Parquet file of held-out eval prompts (source=file; same columns), e.g. GSM8K's "
@@ -51,12 +55,6 @@ class DataConfig(_Section):
     def _check(self) -> DataConfig:
         if self.source == "file" and not self.path:
             raise ValueError("data.source is 'file' but data.path is empty; pass --data.path /path/to/file.jsonl")
-        for key, value in (("path", self.path), ("eval_path", self.eval_path)):
-            if self.source == "file" and value and not Path(value).expanduser().is_file():
-                raise ValueError(
-                    f"data.{key} is {value!r}, which is not a file (relative paths start at the current directory "
-                    f"{Path.cwd()}); pass --data.{key.replace('_', '-')} /path/to/file.jsonl"
-                )
         if self.eval_path and self.source != "file":
             raise ValueError(
                 f"data.eval_path is {self.eval_path!r} but data.source is {self.source!r}: eval files are for "
@@ -66,10 +64,14 @@ class DataConfig(_Section):
         return self
 
 
-class EngineConfig(_Section):
-    """The inference engine used for rollouts."""
+class EmbeddedEngineConfig(_Section):
+    """The embedded engine: an in-process HF model (``miles.rollout.engines.EmbeddedEngine``)."""
 
-    type: Literal["embedded"] = Field("embedded", description="embedded: in-process HF model (the CPU default).")
+    type: Literal["embedded"] = Field(
+        "embedded",
+        description="The engine kind, the key of the engine union: embedded (in-process HF model, the CPU default) "
+        "is the only one today; vllm and sglang come with their adapters.",
+    )
     dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Engine weights/compute dtype; bf16 only pays off on GPUs or CPUs with AVX512-BF16/AMX."
     )
@@ -79,6 +81,27 @@ class EngineConfig(_Section):
         description="prefill: rescore each response with one forward pass (trainer numerics); "
         "decode: keep the decode-step logits, as server engines do.",
     )
+
+
+ENGINE_TYPES = ("embedded",)
+
+
+def _engine_type(value: Any) -> str | None:
+    """The tag of an engine section; a mapping without ``type`` is the embedded engine (the default)."""
+    if isinstance(value, dict):
+        return value.get("type", "embedded")
+    return getattr(value, "type", None)
+
+
+# The ``engine`` section: a union discriminated on ``type`` (one member until the vLLM and SGLang adapters).
+EngineConfig = Annotated[
+    Annotated[EmbeddedEngineConfig, Tag("embedded")],
+    Discriminator(
+        _engine_type,
+        custom_error_type="engine_type",
+        custom_error_message=f"engine.type must be one of {', '.join(ENGINE_TYPES)} (no other engine is implemented)",
+    ),
+]
 
 
 class RewardConfig(_Section):

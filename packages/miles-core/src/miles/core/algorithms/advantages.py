@@ -56,7 +56,7 @@ class AdvantageInputs:
 
 @dataclass(frozen=True)
 class AdvantageParams:
-    """Scalars of the estimators (from ``AlgorithmConfig``).
+    """Scalars of the estimators (from ``algorithm.advantage`` and ``algorithm.kl``).
 
     Attributes:
         eps: added to a std before dividing (grpo, reinforce++ whitening).
@@ -278,7 +278,7 @@ def _reinforce_pp(baseline: bool):
 
 def _gae(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor]:
     if inputs.values is None:
-        raise ValueError("advantage 'gae' needs critic values; set algorithm.critic_path (or use the ppo recipe)")
+        raise ValueError("advantage 'gae' needs critic values; set models.critic (or use the ppo recipe)")
     rewards = torch.where(inputs.valid, inputs.rewards.float(), 0.0)
     token_rewards = outcome_token_rewards(rewards, inputs.response_mask) + kl_reward_penalty(inputs, params)
     advantages, returns = gae_advantages(
@@ -290,7 +290,7 @@ def _gae(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tens
 
 def _opd(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, None]:
     if inputs.old_log_probs is None or inputs.teacher_log_probs is None:
-        raise ValueError("advantage 'opd' needs old_log_probs and teacher_log_probs; set algorithm.teacher_path")
+        raise ValueError("advantage 'opd' needs old_log_probs and teacher_log_probs; set models.teacher.path")
     mask = inputs.loss_mask & inputs.valid[:, None]
     return opd_advantages(inputs.old_log_probs, inputs.teacher_log_probs, mask) + kl_reward_penalty(
         inputs, params

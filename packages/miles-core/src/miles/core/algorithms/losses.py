@@ -28,7 +28,7 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
 
 @dataclass(frozen=True)
 class LossParams:
-    """Scalars of the policy losses (from ``AlgorithmConfig``).
+    """Scalars of the policy losses (from ``algorithm.loss``).
 
     Attributes:
         clip_low: ratio >= 1 - clip_low (ppo, gspo; cispo's IS-weight floor).

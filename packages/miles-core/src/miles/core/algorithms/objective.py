@@ -1,4 +1,4 @@
-"""The RL objective, built once from ``AlgorithmConfig`` and handed to a training backend.
+"""The RL objective, built once from the ``algorithm`` section and handed to a training backend.
 
 A backend (FSDP2, Megatron-core, the plain-torch reference of the tests) runs forward and backward only:
 ``TrainBackend.forward_backward(batch, objective, counts)`` computes the policy's log-probs (and entropy) of a
@@ -21,7 +21,7 @@ from miles.core.algorithms.importance import importance_weights, off_policy_sequ
 from miles.core.algorithms.losses import LossParams, aggregate, policy_loss, value_loss, zero_masked
 from miles.core.algorithms.registry import BACKEND_OUTPUTS, get_estimator, get_policy_loss
 from miles.core.batch import TrainBatch
-from miles.core.config import AlgorithmConfig
+from miles.core.config import AlgorithmConfig, CriticConfig, uses_critic
 from miles.core.plugins import load_plugin
 from torch import Tensor
 
@@ -48,7 +48,7 @@ class ValueObjective:
     """The critic's clipped value loss, token-mean over the global trained tokens.
 
     Args:
-        clip: value clip range around the rollout-time values (reward units), ``algorithm.value_clip``.
+        clip: value clip range around the rollout-time values (reward units), ``models.critic.value_clip``.
     References: PPO2 baselines value clipping; verl ``compute_value_loss``.
     """
 
@@ -82,33 +82,44 @@ class PolicyObjective:
     Built once (plugins loaded here) and reused for every micro-batch of every step.
 
     Args:
-        algorithm: the algorithm section (loss, clip, KL, entropy, aggregation, rollout corrections, critic).
+        algorithm: the algorithm section (loss, clip, KL, entropy, aggregation, rollout corrections).
         max_new_tokens: normalizer of ``seq_mean_token_sum_norm`` (Dr.GRPO), ``rollout.sampling.max_new_tokens``.
-    Raises: ImportError/AttributeError/TypeError naming the key for an unloadable plugin.
+        critic: the ``models.critic`` section, required by an estimator that trains a critic (gae) and refused
+            otherwise; None = no critic.
+    Raises: ImportError/AttributeError/TypeError naming the key for an unloadable plugin; ValueError when
+        ``critic`` does not match the estimator.
     """
 
     skipped_rows_metric = "skipped_zero_advantage_samples"  # the count ``select_rows`` dropped
 
-    def __init__(self, algorithm: AlgorithmConfig, *, max_new_tokens: int) -> None:
+    def __init__(self, algorithm: AlgorithmConfig, *, max_new_tokens: int, critic: CriticConfig | None = None) -> None:
         self.algorithm = algorithm
         self.normalizer = float(max_new_tokens)
-        if algorithm.policy_loss_path:
-            self.loss_fn = load_plugin(algorithm.policy_loss_path, key="algorithm.policy_loss_path", num_positional=5)
+        loss = algorithm.loss
+        if loss.policy_loss_path:
+            self.loss_fn = load_plugin(loss.policy_loss_path, key="algorithm.loss.policy_loss_path", num_positional=5)
             self.advantage_weighted = False  # unknown: never skip rows for a custom loss
         else:
-            self.loss_fn = get_policy_loss(algorithm.policy_loss).fn
-            self.advantage_weighted = get_policy_loss(algorithm.policy_loss).advantage_weighted
+            self.loss_fn = get_policy_loss(loss.policy_loss).fn
+            self.advantage_weighted = get_policy_loss(loss.policy_loss).advantage_weighted
         self.reducer = (
-            load_plugin(algorithm.loss_reducer_path, key="algorithm.loss_reducer_path", num_positional=4)
-            if algorithm.loss_reducer_path
+            load_plugin(loss.reducer_path, key="algorithm.loss.reducer_path", num_positional=4)
+            if loss.reducer_path
             else None
         )
-        self.params = LossParams(
-            clip_low=algorithm.clip_low, clip_high=algorithm.clip_high, dual_clip_c=algorithm.dual_clip_c
-        )
-        self.kl_loss_coef = algorithm.kl_coef if algorithm.kl_mode == "loss" else 0.0
-        critic = not algorithm.advantage_estimator_path and get_estimator(algorithm.advantage_estimator).critic
-        self.value = ValueObjective(clip=algorithm.value_clip) if critic else None
+        self.params = LossParams(clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip_c=loss.dual_clip_c)
+        kl = algorithm.kl
+        self.kl_loss_coef = kl.coef if kl is not None and kl.mode == "loss" else 0.0
+        self.kl_estimator = kl.estimator if kl is not None else "k3"  # read only when kl_loss_coef > 0
+        estimator = algorithm.advantage.estimator
+        if uses_critic(algorithm.advantage) and critic is None:
+            raise ValueError(
+                f"algorithm.advantage.estimator {estimator!r} trains a critic, but critic is None; pass "
+                "critic=CriticConfig() (the models.critic section)"
+            )
+        if critic is not None and not uses_critic(algorithm.advantage):
+            raise ValueError(f"a critic section was given but the estimator {estimator!r} reads no critic values")
+        self.value = ValueObjective(clip=critic.value_clip) if critic is not None else None
 
     # -- what the backend must compute -----------------------------------------------------------
     def advantage_outputs(self, available: Collection[str]) -> frozenset[str]:
@@ -118,12 +129,12 @@ class PolicyObjective:
         reference log-probs for a KL loss when a forward pass runs anyway; a custom estimator gets every output
         the backend can give (``available``). Empty = the estimator reads rewards only (GRPO): no pass at all.
         """
-        algorithm = self.algorithm
-        if algorithm.advantage_estimator_path:
+        advantage, kl = self.algorithm.advantage, self.algorithm.kl
+        if advantage.estimator_path:
             needs = {"old_log_probs"} | (set(available) & BACKEND_OUTPUTS)
         else:
-            needs = set(get_estimator(algorithm.advantage_estimator).needs)
-        if algorithm.kl_coef > 0.0 and (needs or algorithm.kl_mode == "reward"):
+            needs = set(get_estimator(advantage.estimator).needs)
+        if kl is not None and (needs or kl.mode == "reward"):
             needs |= {"old_log_probs", "ref_log_probs"}
         return frozenset(needs)
 
@@ -141,8 +152,8 @@ class PolicyObjective:
         Only at world size 1: FSDP2 ranks must run the same number of backward passes.
         Returns: (the kept rows, number dropped).
         """
-        algorithm = self.algorithm
-        if world_size > 1 or self.kl_loss_coef > 0.0 or algorithm.entropy_coef > 0.0 or not self.advantage_weighted:
+        entropy_coef = self.algorithm.loss.entropy_coef
+        if world_size > 1 or self.kl_loss_coef > 0.0 or entropy_coef > 0.0 or not self.advantage_weighted:
             return batch, 0
         keep = ((batch.advantages != 0) & batch.loss_mask).any(dim=1)
         if not keep.any():  # keep one row (zero gradient) so that entropy and log-prob metrics are still measured
@@ -169,7 +180,7 @@ class PolicyObjective:
         Args:
             mb: the micro-batch (advantages, loss mask, rollout/old/ref log-probs as available).
             log_probs: [b, t] float32 nats of the current policy with grad (logits / sampling temperature).
-            entropy: [b, t] float32 nats, with grad if ``algorithm.entropy_coef`` > 0; None = not measured.
+            entropy: [b, t] float32 nats, with grad if ``algorithm.loss.entropy_coef`` > 0; None = not measured.
             counts: global denominators of the optimizer step.
             metrics_num_tokens: token denominator of the token-mean metrics when rows were dropped
                 (``select_rows``): the trained tokens of the kept rows; default ``counts.num_tokens``.
@@ -178,10 +189,10 @@ class PolicyObjective:
             each a sum over micro-batches and ranks of what this returns; ``finish_metrics`` completes them.
         Raises: ValueError if a needed input (reference or rollout log-probs) is missing from ``mb``.
         """
-        algorithm = self.algorithm
+        loss_cfg = self.algorithm.loss
         if self.kl_loss_coef > 0.0 and mb.ref_log_probs is None:
             raise ValueError(
-                "algorithm.kl_coef > 0 (kl_mode loss) but the batch has no ref_log_probs; compute them first with "
+                "algorithm.kl is on (mode loss) but the batch has no ref_log_probs; compute them first with "
                 "backend.forward(batch, outputs={'ref_log_probs'})"
             )
         old_log_probs = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
@@ -192,7 +203,7 @@ class PolicyObjective:
             mb.advantages,
             loss_mask,
             params=self.params,
-            aggregation=algorithm.aggregation,
+            aggregation=loss_cfg.aggregation,
             num_tokens=counts.num_tokens,
             num_sequences=counts.num_sequences,
             loss=self.loss_fn,
@@ -201,9 +212,9 @@ class PolicyObjective:
             token_weights=token_weights,
             ref_log_probs=mb.ref_log_probs,
             kl_coef=self.kl_loss_coef,
-            kl_estimator=algorithm.kl_estimator,
+            kl_estimator=self.kl_estimator,
             entropy=entropy,
-            entropy_coef=algorithm.entropy_coef,
+            entropy_coef=loss_cfg.entropy_coef,
             metrics_num_tokens=metrics_num_tokens,
         )
         tok = dict(mode="token_mean", num_tokens=metrics_num_tokens or counts.num_tokens)
@@ -224,19 +235,24 @@ class PolicyObjective:
     ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
         """Loss mask after OPSM, detached importance weights (TIS/MIS/icepop) and per-token mismatch values.
 
+        The mismatch metrics are measured whenever the batch has the engine's log-probs, with or without
+        ``algorithm.rollout_correction``.
         Returns: (loss_mask [b, t] bool, token_weights [b, t] float32 or None, {metric: [b, t] per-token values}
             to be token-averaged: train_rollout_logprob_abs_diff, train_rollout_kl, tis_clipfrac and the ESS terms).
         """
-        cfg, loss_mask = self.algorithm, mb.loss_mask
+        cfg, loss_mask = self.algorithm.rollout_correction, mb.loss_mask
         if mb.rollout_log_probs is None:
-            if cfg.importance_sampling != "none" or cfg.opsm:
+            if cfg is not None:
                 raise ValueError(
-                    "algorithm.importance_sampling / algorithm.opsm need the engine's rollout_log_probs, but the "
-                    "batch has none; use an engine that returns log-probs, or set them to none / false."
+                    "algorithm.rollout_correction (importance sampling / opsm) needs the engine's rollout_log_probs, "
+                    "but the batch has none; use an engine that returns log-probs, or set "
+                    "--algorithm.rollout-correction null."
                 )
             return loss_mask, None, {}
         diff = (old_log_probs - mb.rollout_log_probs).detach()
         values = {"train_rollout_logprob_abs_diff": diff.abs(), "train_rollout_kl": -diff}
+        if cfg is None:
+            return loss_mask, None, values
         if cfg.opsm:
             loss_mask = off_policy_sequence_mask(
                 log_probs, mb.rollout_log_probs, mb.advantages, loss_mask, threshold=cfg.opsm_threshold
@@ -249,9 +265,9 @@ class PolicyObjective:
                 mb.rollout_log_probs,
                 loss_mask,
                 mode=cfg.importance_sampling,
-                level=cfg.importance_level,
-                lower=cfg.importance_lower,
-                upper=cfg.importance_upper,
+                level=cfg.level,
+                lower=cfg.lower,
+                upper=cfg.upper,
             )
             values.update(
                 {"tis_clipfrac": outside.float(), "_is_weight": token_weights, "_is_weight_sq": token_weights**2}

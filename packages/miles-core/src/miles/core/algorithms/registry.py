@@ -2,7 +2,8 @@
 
 Every place that asks "which estimators have a group baseline?", "does this loss vanish at zero advantage?" or
 "which log-probs must the backend compute before the advantages?" reads the entries here; config choices
-(``AlgorithmConfig``), validation, the loop and the objective derive from them, and no other module matches a name.
+(``miles.core.algorithms.config``), validation, the loop and the objective derive from them, and no other module
+matches a name.
 A new estimator or loss is one entry (or a ``module:attr`` plugin with the same signature).
 """
 
@@ -35,12 +36,15 @@ class Estimator:
             ``BACKEND_OUTPUTS``); a KL-in-reward penalty adds old and reference log-probs on top.
         group_baseline: the baseline is the prompt's group, so a group of one sample always gets advantage 0.
         critic: needs a critic model (its ``values``) and trains it on the returned ``returns``.
+        params: the ``AdvantageParams`` fields (``algorithm.advantage`` keys) it reads; setting another one is a
+            config error.
     """
 
     fn: AdvantageFn
     needs: frozenset[str] = frozenset()
     group_baseline: bool = False
     critic: bool = False
+    params: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class PolicyLoss:
             clipped [B, T] bool)``.
         advantage_weighted: the token loss and its gradient are exactly 0 where the advantage is 0, so rows of
             zero advantage may be skipped without changing the update (when no KL or entropy term is on).
-        params: the ``LossParams`` fields it reads; setting another one is a config error.
+        params: the ``LossParams`` fields (``algorithm.loss`` keys) it reads; setting another one is a config error.
         supervised: trains on reference answers (teacher forcing), advantages unused (``rollout.mode`` sft).
     """
 
@@ -64,13 +68,19 @@ class PolicyLoss:
 
 ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator(
-        _grouped(lambda r, g, p: grpo_advantages(r, g, normalize_std=True, eps=p.eps)), group_baseline=True
+        _grouped(lambda r, g, p: grpo_advantages(r, g, normalize_std=True, eps=p.eps)),
+        group_baseline=True,
+        params=frozenset({"eps"}),
     ),
     "dr_grpo": Estimator(_grouped(lambda r, g, p: grpo_advantages(r, g, normalize_std=False)), group_baseline=True),
     "rloo": Estimator(_grouped(lambda r, g, p: rloo_advantages(r, g)), group_baseline=True),
-    "reinforce_plus_plus": Estimator(_reinforce_pp(baseline=False)),
-    "reinforce_plus_plus_baseline": Estimator(_reinforce_pp(baseline=True), group_baseline=True),
-    "gae": Estimator(_gae, needs=frozenset({"old_log_probs", "values"}), critic=True),
+    "reinforce_plus_plus": Estimator(_reinforce_pp(baseline=False), params=frozenset({"eps", "gamma"})),
+    "reinforce_plus_plus_baseline": Estimator(
+        _reinforce_pp(baseline=True), group_baseline=True, params=frozenset({"eps", "gamma"})
+    ),
+    "gae": Estimator(
+        _gae, needs=frozenset({"old_log_probs", "values"}), critic=True, params=frozenset({"gamma", "lam"})
+    ),
     "opd": Estimator(_opd, needs=frozenset({"old_log_probs", "teacher_log_probs"})),
 }
 

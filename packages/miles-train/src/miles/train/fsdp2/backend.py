@@ -48,11 +48,12 @@ class FSDP2Backend:
         model_path: HF model directory.
         train: optimizer/precision/micro-batch/layout section.
         temperature: sampling temperature of the rollouts being trained on (log-probs use logits / T).
-        reference: hold a frozen reference (the initial policy) for KL terms (``algorithm.kl_coef`` > 0).
+        reference_path: HF directory of the frozen reference of the KL terms (``models.reference``; usually
+            ``model_path``, the initial policy); None = no reference (``algorithm.kl`` off).
         teacher_path: HF directory of a frozen teacher (on-policy distillation); None = no teacher.
-        teacher_temperature: temperature of the teacher's log-probs (``algorithm.teacher_temperature``).
+        teacher_temperature: temperature of the teacher's log-probs (``models.teacher.temperature``).
         critic_path: HF directory initializing a critic (PPO/GAE, see ``critic.py``); None = no critic.
-        critic_lr: the critic's peak learning rate (``algorithm.critic_lr``).
+        critic_lr: the critic's peak learning rate (``models.critic.lr``).
         weight_sink: where ``push_weights`` sends the full weights (rank 0's sender; None on other ranks, which
             still take part in the gather).
     """
@@ -63,7 +64,7 @@ class FSDP2Backend:
         *,
         train: TrainConfig,
         temperature: float,
-        reference: bool = False,
+        reference_path: str | Path | None = None,
         teacher_path: str | Path | None = None,
         teacher_temperature: float = 1.0,
         critic_path: str | Path | None = None,
@@ -94,8 +95,10 @@ class FSDP2Backend:
         )
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps=train.warmup_steps)
         self.ref_model = None
-        if reference:  # reference = frozen initial policy, unsharded, no grad
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=PARAM_DTYPES[train.dtype]).eval()
+        if reference_path is not None:  # frozen, unsharded, no grad; same vocabulary as the policy
+            self.ref_model = AutoModelForCausalLM.from_pretrained(
+                reference_path, dtype=PARAM_DTYPES[train.dtype]
+            ).eval()
             self.ref_model.requires_grad_(False)
         self.teacher_model = None
         if teacher_path is not None:  # frozen, unsharded, no grad; same vocabulary as the policy
@@ -159,8 +162,8 @@ class FSDP2Backend:
         if outputs - self.available_outputs:
             raise ValueError(
                 f"backend.forward: cannot compute {sorted(outputs - self.available_outputs)}; this backend holds "
-                f"{sorted(self.available_outputs)} (a reference needs algorithm.kl_coef > 0, a teacher "
-                "algorithm.teacher_path, values a critic)"
+                f"{sorted(self.available_outputs)} (a reference needs algorithm.kl on, a teacher models.teacher, "
+                "values models.critic)"
             )
         models = {"old_log_probs": self.model, "ref_log_probs": self.ref_model, "teacher_log_probs": self.teacher_model}
         parts: dict[str, list[Tensor]] = {name: [] for name in models if name in outputs}

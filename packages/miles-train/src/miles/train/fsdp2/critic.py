@@ -132,7 +132,7 @@ class Critic:
             skip_nonfinite=self.skip_nonfinite_steps,
             step=self.step,
             what="critic",
-            lr_key="algorithm.critic_lr",
+            lr_key="models.critic.lr",
         )
         self.pending_loss = None
         self.num_skipped_steps += not applied

@@ -1,0 +1,128 @@
+"""Recipes compose: a recipe names a ``base`` and gives its differences (deep merge, ``null`` turns a section off).
+The shipped algorithm variants are the GRPO recipe plus overrides, and each resolves to exactly the values its
+stand-alone flat-layout copy resolved to before the nested config."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from miles.recipes.cli import resolve_config
+from miles.recipes.registry import load_recipe, merge_recipe, recipe_names
+
+FLAT = yaml.safe_load((Path(__file__).parent / "flat_resolved_configs.yaml").read_text())
+
+
+def _nested(flat: dict) -> dict:
+    """A flat-layout resolved config as the nested tree: every value kept; a feature whose flat switch was off
+    (kl_coef 0, importance_sampling none without opsm, dynamic_sampling false, no critic or teacher) becomes a
+    null section, dropping the settings it did not read."""
+    a = flat["algorithm"]
+    gae = a["advantage_estimator"] == "gae" and not a["advantage_estimator_path"]
+    tree = {key: value for key, value in flat.items() if key not in ("model", "algorithm", "loop")}
+    tree["models"] = {
+        "policy": {"path": flat["model"]["path"]},
+        "reference": {"path": ""},  # the flat layout's reference was always the initial policy
+        "critic": {"path": a["critic_path"], "lr": a["critic_lr"], "value_clip": a["value_clip"]} if gae else None,
+        "teacher": {"path": a["teacher_path"], "temperature": a["teacher_temperature"]} if a["teacher_path"] else None,
+    }
+    correction = a["importance_sampling"] != "none" or a["opsm"]
+    tree["algorithm"] = {
+        "advantage": {
+            "estimator": a["advantage_estimator"],
+            "estimator_path": a["advantage_estimator_path"],
+            "eps": a["advantage_eps"],
+            "gamma": a["gamma"],
+            "lam": a["lam"],
+        },
+        "loss": {
+            "policy_loss": a["policy_loss"],
+            "policy_loss_path": a["policy_loss_path"],
+            "reducer_path": a["loss_reducer_path"],
+            "clip_low": a["clip_low"],
+            "clip_high": a["clip_high"],
+            "dual_clip_c": a["dual_clip_c"],
+            "aggregation": a["aggregation"],
+            "entropy_coef": a["entropy_coef"],
+        },
+        "kl": {"coef": a["kl_coef"], "estimator": a["kl_estimator"], "mode": a["kl_mode"]} if a["kl_coef"] else None,
+        "rollout_correction": {
+            "importance_sampling": a["importance_sampling"],
+            "level": a["importance_level"],
+            "lower": a["importance_lower"],
+            "upper": a["importance_upper"],
+            "opsm": a["opsm"],
+            "opsm_threshold": a["opsm_threshold"],
+        }
+        if correction
+        else None,
+        "dynamic_sampling": {
+            "max_rounds": a["dynamic_sampling_max_rounds"],
+            "over_sample": a["dynamic_sampling_over_sample"],
+            "filter_path": a["dynamic_sampling_filter_path"],
+        }
+        if a["dynamic_sampling"]
+        else None,
+        "overlong": {
+            "filter": a["overlong_filter"],
+            "buffer_len": a["overlong_buffer_len"],
+            "penalty_factor": a["overlong_penalty_factor"],
+        },
+        "reward_post_process_path": a["reward_post_process_path"],
+    }
+    tree["execution"] = {"mode": "local"}
+    tree["loop"] = {"mode": "sync", **flat["loop"]}
+    return tree
+
+
+def test_the_flat_snapshot_covers_every_shipped_recipe():
+    assert sorted(FLAT) == recipe_names()
+
+
+@pytest.mark.parametrize("name", sorted(FLAT))
+def test_each_shipped_recipe_resolves_to_its_flat_predecessor_field_for_field(name):
+    expected = _nested(FLAT[name])
+    got = resolve_config(name, []).model_dump(mode="json")
+    assert got.keys() == expected.keys()
+    for section in expected:
+        assert got[section] == expected[section], section
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(FLAT) if n.endswith("_arithmetic") and "_grpo_" not in n])
+def test_the_algorithm_variants_are_the_grpo_recipe_plus_overrides(name):
+    from importlib import resources
+
+    text = (resources.files("miles.recipes") / "recipes" / f"{name}.yaml").read_text()
+    raw = yaml.safe_load(text)
+    assert raw["base"] == "smollm2_grpo_arithmetic"
+    assert set(raw) - {"description", "base"} <= {"models", "rollout", "algorithm"}, sorted(raw)
+
+
+def test_a_recipe_overrides_its_base_deeply_and_null_turns_a_section_off(tmp_path):
+    (tmp_path / "mine.yaml").write_text(
+        "base: smollm2_dapo_arithmetic\n"
+        "algorithm:\n  loss: {clip_high: 0.3}\n  dynamic_sampling: null\n"
+        "data:\n  task_kwargs: {max_digits: 2}\n"
+    )
+    (tmp_path / "child.yaml").write_text(
+        "description: a file base, relative to this file\nbase: mine.yaml\nloop: {num_steps: 3}\n"
+    )
+    cfg = resolve_config(str(tmp_path / "child.yaml"), ["--algorithm.loss.entropy-coef", "0.01"])
+    dapo = resolve_config("smollm2_dapo_arithmetic", [])
+    loss = cfg.algorithm.loss
+    assert (loss.clip_high, loss.dual_clip_c, loss.entropy_coef) == (0.3, 3.0, 0.01)  # merged key by key
+    assert cfg.algorithm.dynamic_sampling is None and dapo.algorithm.dynamic_sampling is not None
+    assert cfg.algorithm.overlong == dapo.algorithm.overlong and cfg.loop.num_steps == 3
+    assert cfg.data.task_kwargs == {**dapo.data.task_kwargs, "max_digits": 2}
+
+
+def test_a_base_cycle_is_a_clear_error(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ValueError, match=r"base chain .*a.yaml -> .*b.yaml -> .*a.yaml is a cycle"):
+        load_recipe(str(tmp_path / "a.yaml"))
+
+
+def test_merge_replaces_lists_and_scalars_and_merges_mappings():
+    base = {"a": {"b": 1, "c": [1, 2]}, "d": {"e": 1}}
+    assert merge_recipe(base, {"a": {"c": [3]}, "d": None}) == {"a": {"b": 1, "c": [3]}, "d": None}
+    assert base == {"a": {"b": 1, "c": [1, 2]}, "d": {"e": 1}}  # the base is not changed
