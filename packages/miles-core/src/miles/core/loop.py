@@ -28,6 +28,7 @@ from miles.core.logs import warn_once
 from miles.core.plugins import load_plugin
 from miles.core.protocols import (
     DataSource,
+    GroupGenerateFn,
     MetricsSink,
     ProgressBar,
     RewardFn,
@@ -61,6 +62,9 @@ class Components:
     # Opens a bar over an evaluation's number of samples; the rollout function then gets ``on_finished`` (it must
     # accept it). None: no eval progress, and the rollout function is called without it.
     progress: Callable[[int], ProgressBar] | None = None
+    # Training rollouts one prompt at a time (the producer / buffer path an async loop uses); None: ``rollout_fn``
+    # serves them too, adapted to groups (``RolloutGroups``: one batch call per round). Evaluation uses rollout_fn.
+    generate_group: GroupGenerateFn | None = None
 
 
 def train_sync(
@@ -225,13 +229,14 @@ def collect_samples(
     for round_index in range(num_rounds):
         missing = rollout.rollout_batch_size - len(kept)
         num_prompts = missing if round_index == 0 else math.ceil(missing * dynamic.over_sample)
-        # The parts of the async loop with a buffer of one round: a producer runs the rollout function (adapted to
-        # groups: one call per round, so it still batches) into a bounded buffer; groups come back in prompt order.
+        # The parts of the async loop with a buffer of one round: a producer runs the group-generate function per
+        # prompt (or the batch rollout function, adapted: one call per round) into a bounded buffer; groups come back
+        # in prompt order.
         seed = rollout.seed + 1_000_003 * step + 7_919 * round_index
         groups = asyncio.run(
             collect_groups(
                 c.data_source.next_prompts(num_prompts),
-                RolloutGroups(c.rollout_fn, seed=seed),
+                c.generate_group or RolloutGroups(c.rollout_fn, seed=seed),
                 n_samples_per_prompt=rollout.n_samples_per_prompt,
                 sampling=rollout.sampling,
                 seed=seed,

@@ -285,13 +285,15 @@ def run(
                 )
             logger.info("saved checkpoint %s in %.2fs", final[-1], time.perf_counter() - t_save)
 
+        if cfg.rollout.mode == "sft":  # reference answers, no generation: a batch function is enough
+            rollout_fn, generate_group = SFTRollout(tokenizer), None
+        else:  # training rollouts per prompt into the buffer; eval through the batch form of the same rollout
+            chat = ChatRollout(engine, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens)
+            rollout_fn, generate_group = chat, chat.generate_group
         components = Components(
             data_source=data_source,
-            rollout_fn=(
-                SFTRollout(tokenizer)
-                if cfg.rollout.mode == "sft"
-                else ChatRollout(engine, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens)
-            ),
+            rollout_fn=rollout_fn,
+            generate_group=generate_group,
             reward_fn=reward_fn,
             backend=backend,
             publisher=publisher,
