@@ -360,3 +360,14 @@ def test_config_show_prints_the_description_of_every_field_on_or_off(name, capsy
     text = " ".join(comments)
     missing = [key for key, field in _fields(MilesConfig).items() if field.description not in text]
     assert missing == []
+
+
+def test_config_show_takes_the_recipe_as_train_does(capsys):
+    """RECIPE positional or --recipe (with overrides after it), defaulting to train's default recipe."""
+    assert main(["config", "show", "--recipe", "smollm2_ppo_arithmetic", "--loop.num-steps", "3"]) == 0
+    shown = capsys.readouterr().out
+    assert "num_steps: 3" in shown and "estimator: gae" in shown
+    assert main(["config", "show"]) == 0
+    assert "estimator: grpo" in capsys.readouterr().out  # smollm2_grpo_arithmetic, train's default
+    assert main(["config", "show", "smollm2_ppo_arithmetic", "--recipe", "smollm2_sft_arithmetic"]) == 2
+    assert "give the recipe once" in capsys.readouterr().err

@@ -225,7 +225,7 @@ class ExecutionConfig(_Section):
     mode: Literal["local"] = Field(
         "local",
         description="local: engine, trainer and loop in this one process, no cluster to start (the only mode "
-        "today; ray comes with the Ray execution issue).",
+        "today; a Ray mode across processes and machines is planned).",
     )
 
 
@@ -235,7 +235,7 @@ class LoopConfig(_Section):
     mode: Literal["sync"] = Field(
         "sync",
         description="sync: generate, then train, then push weights, one step at a time (the only loop today; "
-        "one_step_off and fully_async come with the async loop issue).",
+        "one-step-off and fully asynchronous loops are planned).",
     )
     num_steps: int = Field(12, ge=1, description="Rollout steps (each: generate, score, train, push weights).")
     save_interval: int = Field(

@@ -161,10 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     config = sub.add_parser(
         "config",
         help="print the resolved config of a recipe, every field with its description",
-        description="miles config show RECIPE [--section.key value ...]: the resolved config, overrides applied.",
+        description="Print the resolved config of a recipe (its base chain merged, overrides applied), every field "
+        "with its description; nothing is loaded. Any config key can be overridden as --section.key VALUE "
+        "(e.g. --algorithm.kl.coef 0.05; --algorithm.kl null turns a section off).",
+        usage="miles config show [RECIPE | --recipe NAME_OR_PATH] [--section.key VALUE ...]",
     )
     config.add_argument("action", choices=["show"])
-    config.add_argument("recipe")
+    config.add_argument("recipe", nargs="?", default=None, help=f"shipped recipe name or YAML path ({DEFAULT_RECIPE})")
+    config.add_argument("--recipe", dest="recipe_flag", default=None, help="the same as the positional RECIPE")
     args, rest = parser.parse_known_args(argv)
     _setup_logging()
 
@@ -177,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(args.checkpoint, args.out, rest)
     recipe = args.recipe
+    if args.command == "config":
+        if args.recipe is not None and args.recipe_flag is not None:
+            return _fail(ValueError("miles config show: give the recipe once, as RECIPE or as --recipe"))
+        recipe = args.recipe or args.recipe_flag or DEFAULT_RECIPE
     resume = getattr(args, "resume", None)
     overwrite = getattr(args, "overwrite", False)
     try:

@@ -94,7 +94,7 @@ class MilesConfig(BaseModel):
 # Keys of the flat layout (Miles before the nested config) -> where they live now; for the messages that meet an
 # old run's config.yaml or an old recipe/flag.
 RENAMED_KEYS = {
-    "model": "models.policy",
+    "model": "models.policy (model.path is now models.policy.path)",
     "model.path": "models.policy.path",
     **{
         f"algorithm.{old}": f"algorithm.{new}"

@@ -70,7 +70,7 @@ class EmbeddedEngineConfig(_Section):
     type: Literal["embedded"] = Field(
         "embedded",
         description="The engine kind, the key of the engine union: embedded (in-process HF model, the CPU default) "
-        "is the only one today; vllm and sglang come with their adapters.",
+        "is the only one today; vLLM and SGLang server engines are planned.",
     )
     dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Engine weights/compute dtype; bf16 only pays off on GPUs or CPUs with AVX512-BF16/AMX."
