@@ -51,6 +51,31 @@ def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def refuse_unread_params(
+    section: BaseModel, names: Iterable[str], *, prefix: str, choice_key: str, registry: dict, what: str
+) -> None:
+    """Refuse a parameter among ``names`` that was changed but that the chosen registry entry never reads.
+
+    Args:
+        section: the config section (``algorithm.advantage`` or ``algorithm.loss``).
+        names: its parameters that registry entries declare in ``params``.
+        prefix: the section's key, e.g. "algorithm.loss".
+        choice_key: the field naming the registry entry, e.g. "policy_loss".
+        registry: ``ESTIMATORS`` or ``POLICY_LOSSES`` (entries with ``params``).
+        what: the kind, for the fix ("an estimator", "a policy loss").
+    Raises: ValueError naming the parameter, the choice, the entries that read it and the fix.
+    """
+    choice = getattr(section, choice_key)
+    for name in changed_fields(section, names):
+        if name not in registry[choice].params:
+            readers = sorted(key for key, entry in registry.items() if name in entry.params)
+            raise ValueError(
+                f"{prefix}.{name} is {getattr(section, name)} but {prefix}.{choice_key} {choice!r} never reads it "
+                f"(read by: {', '.join(readers)}), so it would do nothing. Drop {_flag(prefix + '.' + name)}, or "
+                f"pick {what} that reads it."
+            )
+
+
 class AdvantageConfig(_Section):
     """How rewards become per-token advantages (the registry's estimators, or a plugin)."""
 
@@ -85,15 +110,14 @@ class AdvantageConfig(_Section):
                     "--algorithm.advantage.estimator, or --algorithm.advantage.estimator-path to use the built-in."
                 )
             return self  # a custom estimator gets every parameter
-        reads = ESTIMATORS[self.estimator].params
-        for name in changed_fields(self, ["eps", "gamma", "lam"]):
-            if name not in reads:
-                readers = sorted(e for e, entry in ESTIMATORS.items() if name in entry.params)
-                raise ValueError(
-                    f"algorithm.advantage.{name} is {getattr(self, name)} but algorithm.advantage.estimator "
-                    f"{self.estimator!r} never reads it (read by: {', '.join(readers)}), so it would do nothing. "
-                    f"Drop {_flag('algorithm.advantage.' + name)}, or pick an estimator that uses it."
-                )
+        refuse_unread_params(
+            self,
+            ["eps", "gamma", "lam"],
+            prefix="algorithm.advantage",
+            choice_key="estimator",
+            registry=ESTIMATORS,
+            what="an estimator",
+        )
         return self
 
 
@@ -161,15 +185,14 @@ class LossConfig(_Section):
             )
         if self.policy_loss_path:
             return self  # a custom loss gets every parameter
-        reads = POLICY_LOSSES[self.policy_loss].params
-        for name in changed_fields(self, ["clip_low", "clip_high", "dual_clip_c"]):
-            if name not in reads:
-                readers = sorted(loss for loss, entry in POLICY_LOSSES.items() if name in entry.params)
-                raise ValueError(
-                    f"algorithm.loss.{name} is {getattr(self, name)} but algorithm.loss.policy_loss "
-                    f"{self.policy_loss!r} never reads it (read by: {', '.join(readers)}), so it would do nothing. "
-                    f"Drop {_flag('algorithm.loss.' + name)}, or pick a policy loss that reads it."
-                )
+        refuse_unread_params(
+            self,
+            ["clip_low", "clip_high", "dual_clip_c"],
+            prefix="algorithm.loss",
+            choice_key="policy_loss",
+            registry=POLICY_LOSSES,
+            what="a policy loss",
+        )
         return self
 
 
