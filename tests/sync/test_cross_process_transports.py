@@ -86,6 +86,34 @@ def test_gloo_broadcast_delivers_updates_to_every_engine_rank(tmp_path, world_si
             if process.is_alive():
                 process.kill()
 
-    assert reports["sender"] == ([1, 2],)
+    assert reports["sender"] == ([1, 2, 3],)
     for rank in range(1, world_size):
-        assert reports[f"engine{rank}"] == (2, [True, True])
+        assert reports[f"engine{rank}"] == (3, [True, True, True])
+
+
+def test_a_weight_group_reaches_engine_ranks_without_a_default_group_beside_the_trainers_own(tmp_path):
+    """The trainer keeps its default (FSDP) world of 1; two engine processes with no process group of their own
+    join a separate weight group and receive both updates bit for bit."""
+    from miles.rollout.engines.server import free_port
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [
+        context.Process(target=sync_processes.weight_group_rank, args=(rank, 3, port, str(tmp_path / "init"), results))
+        for rank in range(3)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        reports = {}
+        for _ in range(3):
+            report = results.get(timeout=120)
+            reports[report[0]] = report[1:]
+    finally:
+        for process in ranks:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    assert reports["sender"] == ([1, 2], 1)  # the trainer's own world is untouched
+    assert reports["engine1"] == reports["engine2"] == (2, [True, True], False)

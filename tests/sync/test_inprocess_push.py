@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 from miles.sync import InProcessTransport, WeightReceiver, WeightSender, WeightUpdateError
@@ -228,3 +230,106 @@ def test_receiver_places_decoded_tensors_on_its_device():
 def test_sender_rejects_bad_settings_with_the_value_received(kwargs, message):
     with pytest.raises(ValueError, match=message):
         WeightSender(InProcessTransport(WeightReceiver(apply_fn=_Recorder())), **kwargs)
+
+
+def _layers(step: int, *, mlp: int = 32, num_layers: int = 3) -> dict[str, torch.Tensor]:
+    """float32 weights whose values encode (step, layer, element), so a stale or shifted byte shows."""
+    state = {}
+    for layer in range(num_layers):
+        base = 1000.0 * step + 100.0 * layer
+        state[f"layers.{layer}.mlp.weight"] = base + torch.arange(16 * mlp, dtype=torch.float32).view(16, mlp)
+        state[f"layers.{layer}.norm.weight"] = base + torch.arange(16, dtype=torch.float32)
+    return state
+
+
+def test_host_bucket_slots_are_reused_across_pushes_and_regrown_when_a_shape_grows():
+    apply = _Recorder()
+    transport = InProcessTransport(WeightReceiver(apply_fn=apply))
+    # Per layer 16 x 32 float32 (2048 bytes) + 16 float32 (64 bytes): one layer per 2112-byte bucket.
+    sender = WeightSender(transport, bucket_bytes=2112)
+
+    sender.push(_layers(1).items())
+    first = [slot.data_ptr() for slot in transport.slots]
+    sender.push(_layers(2).items())
+
+    assert len(first) == 3 and [slot.data_ptr() for slot in transport.slots] == first  # no new buffers
+    _assert_bitwise_equal(apply.calls[1], _layers(2))
+
+    sender.bucket_bytes = 4160  # still one layer per bucket: 16 x 64 x 4 + 64 bytes, outgrowing every slot
+    sender.push(_layers(3, mlp=64).items())
+    assert [slot.numel() for slot in transport.slots] == [4160] * 3
+    assert not set(first) & {slot.data_ptr() for slot in transport.slots}  # each slot was reallocated
+    _assert_bitwise_equal(apply.calls[2], _layers(3, mlp=64))
+
+    sender.push(_layers(4, num_layers=1).items())  # one bucket now: the other two slots are freed
+    assert len(transport.slots) == 1
+    _assert_bitwise_equal(apply.calls[3], _layers(4, num_layers=1))
+
+
+class _OverlappedInProcess(InProcessTransport):
+    """Lets the sender overlap: records what each send saw, and proves bucket k+1 was allocated during send k."""
+
+    overlap_send = True
+
+    def __init__(self, receiver: WeightReceiver, num_buckets: int, *, wait_for_next: bool) -> None:
+        super().__init__(receiver)
+        self.wait_for_next = wait_for_next
+        self.allocated = [threading.Event() for _ in range(num_buckets)]
+        self.sent: list[tuple[str, object, torch.Tensor]] = []  # (thread name, meta, payload copy)
+        self.overlapped: list[bool] = []
+
+    def begin(self, version: int) -> None:
+        for event in self.allocated:
+            event.clear()
+        super().begin(version)
+
+    def allocate(self, nbytes, device):
+        self.allocated[self._next_slot].set()
+        return super().allocate(nbytes, device)
+
+    def send(self, bucket):
+        self.sent.append((threading.current_thread().name, bucket.meta, bucket.payload.clone()))
+        if self.wait_for_next and bucket.meta.index + 1 < len(self.allocated):
+            self.overlapped.append(self.allocated[bucket.meta.index + 1].wait(timeout=10))
+        super().send(bucket)
+
+
+def test_overlapped_sends_deliver_the_same_bytes_as_serial_sends_while_the_next_bucket_is_packed():
+    serial_apply, overlapped_apply = _Recorder(), _Recorder()
+    serial = _OverlappedInProcess(WeightReceiver(apply_fn=serial_apply), num_buckets=3, wait_for_next=False)
+    overlapped = _OverlappedInProcess(WeightReceiver(apply_fn=overlapped_apply), num_buckets=3, wait_for_next=True)
+    serial_sender = WeightSender(serial, bucket_bytes=2112, overlap_send=False)
+    overlapped_sender = WeightSender(overlapped, bucket_bytes=2112)
+
+    for step in (1, 2):
+        serial_sender.push(_layers(step).items())
+        overlapped_sender.push(_layers(step).items())
+
+    assert [meta for _, meta, _ in overlapped.sent] == [meta for _, meta, _ in serial.sent]
+    for (_, _, got), (_, _, want) in zip(overlapped.sent, serial.sent, strict=True):
+        assert torch.equal(got, want)
+    assert {thread for thread, _, _ in overlapped.sent} == {"miles-sync-send_0"}
+    assert {thread for thread, _, _ in serial.sent} == {threading.main_thread().name}
+    assert overlapped.overlapped == [True, True] * 2  # buckets 1 and 2 were allocated while 0 and 1 were sent
+    _assert_bitwise_equal(overlapped_apply.calls[1], _layers(2))
+    assert overlapped_sender.last_push.num_buckets == 3 and overlapped_sender.last_push.full_nbytes == 3 * 2112
+
+
+def test_an_overlapped_send_that_fails_aborts_the_update_with_the_receivers_message():
+    apply = _Recorder()
+    receiver = WeightReceiver(apply_fn=apply)
+
+    class Dropping(InProcessTransport):
+        overlap_send = True
+
+        def send(self, bucket):
+            if bucket.meta.index != 2:
+                super().send(bucket)
+
+    sender = WeightSender(Dropping(receiver), bucket_bytes=64)
+    with pytest.raises(WeightUpdateError, match="bucket 3 of update v1 rejected: expected bucket 2 next"):
+        sender.push(_model_state().items())
+    assert receiver.weight_version == 0 and apply.calls == [] and sender.version == 0
+    sender.transport = InProcessTransport(receiver)
+    assert sender.push(_model_state().items()) == 1
+    _assert_bitwise_equal(apply.calls[0], _model_state())

@@ -12,7 +12,9 @@ Example::
 
 from miles.sync.bucket import Bucket, BucketMeta, PartMeta, TensorMeta
 from miles.sync.codecs import CODECS, Codec, get_codec
+from miles.sync.disk import DiskWeightWriter, list_versions, read_hf_weights, read_manifest, read_weights
 from miles.sync.errors import WeightUpdateError
+from miles.sync.fanout import EnginePushStats, FanOutError, FanOutPushStats, MultiEngineSender
 from miles.sync.receiver import WeightReceiver
 from miles.sync.sender import DEFAULT_CODEC_EXCLUDE, WeightSender
 from miles.sync.transports import Transport
@@ -30,9 +32,14 @@ __all__ = [
     "Codec",
     "CudaIpcEndpoint",
     "CudaIpcTransport",
+    "DiskWeightWriter",
     "DistributedEndpoint",
     "DistributedTransport",
+    "EnginePushStats",
+    "FanOutError",
+    "FanOutPushStats",
     "InProcessTransport",
+    "MultiEngineSender",
     "P2PEndpoint",
     "P2PEngine",
     "P2PTransport",
@@ -46,4 +53,8 @@ __all__ = [
     "WeightSender",
     "WeightUpdateError",
     "get_codec",
+    "list_versions",
+    "read_hf_weights",
+    "read_manifest",
+    "read_weights",
 ]

@@ -11,9 +11,13 @@ Buckets are filled in order up to ``bucket_bytes``; a single tensor larger than 
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from miles.sync.delta import DeltaMeta
 
 ALIGN_BYTES = 64
 """Part offsets are multiples of this: any dtype view is aligned, and copies stay on cache-line boundaries."""
@@ -75,6 +79,8 @@ class BucketMeta:
         nbytes: payload size in bytes.
         dtype: the source dtype shared by all tensors of the bucket.
         tensors: the tensors, in payload order.
+        delta: None when the payload is the packed bytes; else how it encodes them (a delta update, see
+            ``miles.sync.delta``), and ``nbytes`` is the encoded payload's size.
     """
 
     version: int
@@ -82,6 +88,7 @@ class BucketMeta:
     nbytes: int
     dtype: torch.dtype
     tensors: tuple[TensorMeta, ...]
+    delta: "DeltaMeta | None" = None
 
 
 @dataclass(frozen=True, slots=True)

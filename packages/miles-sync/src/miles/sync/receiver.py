@@ -8,7 +8,8 @@ metadata, the payload follows, the engine loads and bumps ``weight_version`` whe
     receiver.commit_update(version, n)      # decode complete -> apply_fn(named_tensors) -> weight_version = version
 
 ``abort_update`` drops a partial update. Any failure leaves ``weight_version`` unchanged and raises
-``WeightUpdateError`` naming the bucket and the reason (apply-on-complete).
+``WeightUpdateError`` naming the bucket and the reason (apply-on-complete). Delta buckets (a ``WeightSender`` with
+``delta=True``) are rebuilt on top of the last applied version first (``miles.sync.delta``).
 """
 
 import logging
@@ -55,6 +56,12 @@ class WeightReceiver:
         self.device = None if device is None else torch.device(device)
         self.weight_version = 0
         self._pending: _PendingUpdate | None = None
+        self._delta = None  # a DeltaDecoder once a delta bucket arrives
+
+    def _drop_pending(self) -> None:
+        self._pending = None
+        if self._delta is not None:
+            self._delta.discard()
 
     def begin_update(self, version: int) -> None:
         """Start receiving update ``version``; a pending partial update is dropped.
@@ -64,7 +71,7 @@ class WeightReceiver:
         """
         if self._pending is not None:
             logger.warning("update v%d was never committed; dropping it for v%d", self._pending.version, version)
-            self._pending = None
+            self._drop_pending()
         if version <= self.weight_version:
             raise WeightUpdateError(
                 f"update v{version} is not newer than the applied weights v{self.weight_version}; versions must "
@@ -88,6 +95,13 @@ class WeightReceiver:
                 raise ValueError(f"the receiver expects {expected}; call begin_update(version) first")
             if meta.index != pending.next_index:
                 raise ValueError(f"expected bucket {pending.next_index} next: a bucket was lost or reordered")
+            if meta.delta is not None:
+                if self._delta is None:
+                    from miles.sync.delta import DeltaDecoder
+
+                    self._delta = DeltaDecoder()
+                bucket = self._delta.decode(bucket)
+                meta = bucket.meta
             for tensor_meta, parts in unpack_parts(bucket):
                 if tensor_meta.name in pending.names:
                     raise ValueError(f"tensor {tensor_meta.name!r} was already received in this update")
@@ -103,8 +117,8 @@ class WeightReceiver:
                     tensor = tensor.to(self.device, non_blocking=True)
                 pending.named_tensors.append((tensor_meta.name, tensor))
                 pending.names.add(tensor_meta.name)
-        except ValueError as err:
-            self._pending = None
+        except (ValueError, ImportError) as err:
+            self._drop_pending()
             raise WeightUpdateError(f"{where} rejected: {err}; the update is dropped") from err
         pending.next_index += 1
         pending.nbytes += meta.nbytes
@@ -118,10 +132,13 @@ class WeightReceiver:
         Raises:
             WeightUpdateError: if the update is not pending, buckets are missing, or ``apply_fn`` raised.
         """
-        pending, self._pending = self._pending, None
+        pending = self._pending
+        self._pending = None
         if pending is None or pending.version != version:
+            self._drop_pending()
             raise WeightUpdateError(f"commit of update v{version}, but no such update is pending")
         if pending.next_index != num_buckets:
+            self._drop_pending()
             raise WeightUpdateError(
                 f"update v{version} incomplete: bucket {pending.next_index} of {num_buckets} never arrived; "
                 f"keeping weights v{self.weight_version}"
@@ -129,11 +146,14 @@ class WeightReceiver:
         try:
             self.apply_fn(pending.named_tensors)
         except Exception as err:
+            self._drop_pending()  # the bases stay the last applied version's, which the sender also still holds
             raise WeightUpdateError(
                 f"apply_fn failed on update v{version} ({len(pending.named_tensors)} tensors): {err!r}; "
                 f"weight_version stays v{self.weight_version}, but the model may be partially loaded"
             ) from err
         self.weight_version = version
+        if self._delta is not None:
+            self._delta.commit()
         logger.debug(  # per step
             "applied weights v%d: %d tensors, %d buckets, %.1f MiB in %.3fs",
             version,
@@ -148,4 +168,4 @@ class WeightReceiver:
         """Drop the pending update ``version`` (if it is the pending one), keeping the applied weights."""
         if self._pending is not None and self._pending.version == version:
             logger.warning("update v%d aborted by the sender: %s", version, reason)
-            self._pending = None
+            self._drop_pending()

@@ -13,7 +13,17 @@ from torch import Tensor
 
 
 class Transport(Protocol):
-    """Sender side of a transport. Calls per update: begin, (allocate, send) per bucket, then commit or abort."""
+    """Sender side of a transport. Calls per update: begin, (allocate, send) per bucket, then commit or abort.
+
+    Attributes:
+        overlap_send: True when ``send`` of bucket k may run on a worker thread while the sender calls ``allocate``
+            for bucket k+1 and packs it (``WeightSender(overlap_send=True)``): ``allocate`` must count buckets
+            itself, not rely on ``send`` having run, and bucket k's buffer must stay untouched until its ``send``
+            returned. Sends never overlap each other, and begin / commit / abort run only when no send is in
+            flight. A transport without the attribute is driven serially.
+    """
+
+    overlap_send: bool
 
     def begin(self, version: int) -> None:
         """Announce update ``version`` to the receivers."""

@@ -27,6 +27,8 @@ class CudaIpcTransport(SharedMemoryTransport):
         RuntimeError: if CUDA is not available.
     """
 
+    overlap_send = False  # send synchronizes the calling thread's stream, which must be the one that packed
+
     def __init__(self, conn, *, device: torch.device | str = "cuda", timeout_s: float = 300.0) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(
@@ -36,16 +38,8 @@ class CudaIpcTransport(SharedMemoryTransport):
         super().__init__(conn, timeout_s=timeout_s)
         self.device = torch.device(device)
 
-    def allocate(self, nbytes: int, device: torch.device) -> Tensor:
-        slot = self._next_slot
-        if slot == len(self.slots) or self.slots[slot].numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            if slot == len(self.slots):
-                self.slots.append(buffer)
-            else:
-                self.slots[slot] = buffer
-            self._new_slots.add(slot)
-        return self.slots[slot][:nbytes]
+    def _new_buffer(self, nbytes: int) -> Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def send(self, bucket: Bucket) -> None:
         torch.cuda.current_stream(self.device).synchronize()  # the receiver reads on another stream and process

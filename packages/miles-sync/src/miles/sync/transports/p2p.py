@@ -3,8 +3,9 @@
 The receiver (``P2PEndpoint``) allocates and registers one buffer per bucket position when the sender first needs
 it and returns its ``RemoteBuffer`` over the control connection; after that, each update is a one-sided write per
 bucket plus a small ``BucketReady`` message, and the receiver's CPU never touches the payload. ``P2PEngine`` is the
-seam; ``mooncake_engine`` and ``nixl_engine`` adapt Mooncake's TransferEngine and NVIDIA NIXL when installed and
-raise ``ImportError`` naming the package otherwise.
+seam; ``mooncake_engine`` and ``nixl_engine`` build the adapters in ``p2p_engines`` (Mooncake's TransferEngine,
+NVIDIA NIXL; each write with a timeout and bounded retry) and raise ``ImportError`` naming the package to install
+when it is missing.
 """
 
 from dataclasses import dataclass
@@ -20,12 +21,21 @@ from torch import Tensor
 
 @dataclass(frozen=True, slots=True)
 class RemoteBuffer:
-    """A registered receiver buffer: ``session`` identifies the peer to the engine; ``address`` and ``nbytes`` the
-    memory region (device or host)."""
+    """A registered receiver buffer.
+
+    Attributes:
+        session: the peer's name for its engine (Mooncake ``"host:rpc_port"``, a NIXL agent name).
+        address: start of the region (device or host pointer), ``nbytes`` its size in bytes.
+        device: where the region lives (``"cpu"``, ``"cuda:3"``); NIXL needs its memory type and GPU index.
+        metadata: what the writer must load to reach the region (NIXL agent metadata, current as of this buffer's
+            registration); empty for engines that need nothing (Mooncake finds peers by ``session``).
+    """
 
     session: str
     address: int
     nbytes: int
+    device: str = "cpu"
+    metadata: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +45,11 @@ class AllocateSlot:
 
 
 class P2PEngine(Protocol):
-    """What a transfer engine must offer. Both sides create one; ``session`` is this side's address for peers."""
+    """What a transfer engine must offer. Both sides create one; ``session`` is this side's address for peers.
+
+    An engine may also have a ``metadata: bytes`` attribute (NIXL): ``P2PEndpoint`` reads it after each
+    ``register`` and sends it in the ``RemoteBuffer``, so the writer can load it before writing there.
+    """
 
     session: str
 
@@ -47,23 +61,19 @@ class P2PEngine(Protocol):
 
 
 def mooncake_engine(**kwargs) -> P2PEngine:
-    """Build a P2PEngine on Mooncake's TransferEngine. Raises: ImportError if mooncake is not installed."""
-    try:
-        from mooncake.engine import TransferEngine  # noqa: F401
-    except ImportError as err:
-        raise ImportError(
-            "the Mooncake P2P transport needs Mooncake's TransferEngine: pip install mooncake-transfer-engine"
-        ) from err
-    raise NotImplementedError("the Mooncake adapter is not written yet; implement P2PEngine.register/write on it")
+    """Build a ``MooncakeEngine`` (``miles.sync.transports.p2p_engines``; ``kwargs`` go to it: hostname,
+    metadata_server, protocol, device_name, timeout_s, retries). Raises: ImportError if mooncake is not installed."""
+    from miles.sync.transports.p2p_engines import MooncakeEngine
+
+    return MooncakeEngine(**kwargs)
 
 
 def nixl_engine(**kwargs) -> P2PEngine:
-    """Build a P2PEngine on NVIDIA NIXL. Raises: ImportError if nixl is not installed."""
-    try:
-        import nixl  # noqa: F401
-    except ImportError as err:
-        raise ImportError("the NIXL P2P transport needs NVIDIA NIXL: pip install nixl") from err
-    raise NotImplementedError("the NIXL adapter is not written yet; implement P2PEngine.register/write on it")
+    """Build a ``NixlEngine`` (``miles.sync.transports.p2p_engines``; ``kwargs`` go to it: name, backends,
+    timeout_s, retries). Raises: ImportError if nixl is not installed."""
+    from miles.sync.transports.p2p_engines import NixlEngine
+
+    return NixlEngine(**kwargs)
 
 
 class P2PTransport:
@@ -75,6 +85,8 @@ class P2PTransport:
         timeout_s: seconds to wait for the receiver's answers (slot allocation, commit).
         device: where local staging slots live (the trainer's GPU for GPUDirect RDMA).
     """
+
+    overlap_send = False  # allocate asks the receiver for a slot on the connection send writes to
 
     def __init__(self, engine: P2PEngine, conn: Connection, *, timeout_s: float = 300.0, device="cpu") -> None:
         self.engine, self.conn, self.timeout_s, self.device = engine, conn, timeout_s, torch.device(device)
@@ -147,7 +159,11 @@ class P2PEndpoint:
             if isinstance(message, AllocateSlot):
                 buffer = self.slots[message.slot] = torch.empty(message.nbytes, dtype=torch.uint8, device=self.device)
                 self.engine.register(buffer)
-                self.conn.send(RemoteBuffer(self.engine.session, buffer.data_ptr(), message.nbytes))
+                metadata = getattr(self.engine, "metadata", b"")  # read after register: it lists the new buffer
+                remote = RemoteBuffer(
+                    self.engine.session, buffer.data_ptr(), message.nbytes, str(buffer.device), metadata
+                )
+                self.conn.send(remote)
                 continue
             done = self._session.handle(
                 message,

@@ -44,23 +44,32 @@ class SharedMemoryTransport:
         timeout_s: seconds to wait for the receiver's acknowledgement of a commit (decode + ``apply_fn``).
     """
 
+    # allocate and send count slots separately, so a worker thread could send; but send only pickles a control
+    # message (the receiver decodes in its own process meanwhile anyway), which gains nothing on a thread
+    overlap_send = False
+
     def __init__(self, conn: Connection, *, timeout_s: float = 300.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s is {timeout_s}; it must be > 0 seconds (300 suits large models)")
         self.conn = conn
         self.timeout_s = timeout_s
         self.slots: list[Tensor] = []
-        self._next_slot = 0
+        self._next_slot = 0  # the slot the next send announces
+        self._next_alloc = 0  # the slot the next allocate returns (ahead of _next_slot while a send is in flight)
         self._new_slots: set[int] = set()
 
     def begin(self, version: int) -> None:
-        self._next_slot = 0
+        self._next_slot = self._next_alloc = 0
         self.conn.send(Begin(version))
 
+    def _new_buffer(self, nbytes: int) -> Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+
     def allocate(self, nbytes: int, device: torch.device) -> Tensor:
-        slot = self._next_slot
+        slot = self._next_alloc
+        self._next_alloc += 1
         if slot == len(self.slots) or self.slots[slot].numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+            buffer = self._new_buffer(nbytes)
             if slot == len(self.slots):
                 self.slots.append(buffer)
             else:
