@@ -51,3 +51,27 @@ def test_group_baseline_estimators_refuse_one_sample_per_prompt(estimator):
 )
 def test_estimators_without_a_group_accept_one_sample_per_prompt(algorithm):
     check_group_size(RolloutConfig(n_samples_per_prompt=1), algorithm)
+
+
+def test_changed_fields_compares_a_default_factory_field_with_the_factorys_value():
+    from miles.core.algorithms.config import changed_fields
+    from pydantic import BaseModel, Field
+
+    class Section(BaseModel):
+        scale: float = 1.0
+        tags: list[str] = Field(default_factory=list)
+
+    names = ("scale", "tags")
+    assert changed_fields(Section(scale=1.0, tags=[]), names) == []  # set, but to the defaults
+    assert changed_fields(Section(tags=["a"]), names) == ["tags"]
+    assert changed_fields(Section(scale=2.0), names) == ["scale"]
+
+
+def test_the_longest_response_is_the_multi_turn_budget_in_multi_turn_mode():
+    # Dr.GRPO's normalizer (loop.train's PolicyObjective) was rollout.sampling.max_new_tokens, a per-turn bound.
+    from miles.core.config import MultiTurnConfig, RolloutConfig
+
+    sampling = SamplingConfig(max_new_tokens=32)
+    assert RolloutConfig(sampling=sampling).max_response_tokens == 32
+    multi = RolloutConfig(sampling=sampling, mode="multi_turn", multi_turn=MultiTurnConfig(max_response_tokens=200))
+    assert multi.max_response_tokens == 200

@@ -19,7 +19,7 @@ from miles.core.config import (
     RolloutConfig,
     SamplingConfig,
 )
-from miles.core.loop import Components, evaluate, run_step, train_sync
+from miles.core.loop import Components, evaluate, run_step, train
 from miles.core.sample import Sample, SampleStatus
 
 
@@ -140,6 +140,7 @@ def test_a_failing_reward_in_one_group_leaves_the_other_group_and_the_rest_of_it
     assert advantages[3:] == pytest.approx([-0.86603, 0.86603, -0.86603, 0.86603], abs=1e-5)
     assert batch.loss_mask[:, 0].tolist() == [False, True, True, True, True, True, True]
     assert metrics["samples/failed"] == 1.0
+    assert metrics["samples/failed_reward_error"] == 1.0 and metrics["samples/failed_reward_timeout"] == 0.0
 
 
 def test_overlong_filter_masks_length_truncated_samples_by_finish_reason():
@@ -196,11 +197,11 @@ def test_an_overlong_filtered_sample_stays_in_its_group_statistics_but_a_tool_on
     assert batch.advantages[:, 0].tolist() == pytest.approx([0.0, 0.0, 1.1547, -0.57735], abs=1e-4)
 
 
-def test_train_sync_refuses_a_group_baseline_with_one_sample_per_prompt_before_generating():
+def test_train_refuses_a_group_baseline_with_one_sample_per_prompt_before_generating():
     rollout_fn = ScriptedRollout([])
     c = _components(rollout_fn, reward_is_first_token)
     with pytest.raises(ValueError, match=r"rollout.n_samples_per_prompt is 1, but advantage 'rloo' needs at least 2"):
-        train_sync(
+        train(
             c,
             loop=LoopConfig(num_steps=1),
             rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1),
@@ -210,9 +211,9 @@ def test_train_sync_refuses_a_group_baseline_with_one_sample_per_prompt_before_g
     assert rollout_fn.calls == []  # refused once, at the start: nothing was generated
 
 
-def test_train_sync_runs_one_sample_per_prompt_with_an_estimator_that_needs_no_group():
+def test_train_runs_one_sample_per_prompt_with_an_estimator_that_needs_no_group():
     c = _components(ScriptedRollout([[([1], DONE)], [([0], DONE)]]), reward_is_first_token)
-    steps = train_sync(
+    steps = train(
         c,
         loop=LoopConfig(num_steps=1, save_interval=0),
         rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1),
@@ -272,7 +273,7 @@ def test_a_plugin_path_with_the_wrong_signature_fails_when_the_run_is_built_not_
         load_algorithm_plugins(algorithm)
     c = _components(ScriptedRollout([]), reward_is_first_token)
     with pytest.raises(TypeError, match="algorithm.loss.policy_loss_path.*5 positional"):  # and before any rollout
-        train_sync(
+        train(
             c,
             loop=LoopConfig(num_steps=1),
             rollout=RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2),

@@ -3,41 +3,14 @@ of a tiny random-init model on a toy task within seconds."""
 
 import pytest
 import torch
-from doubles import ListSink
+from doubles import ListSink, TokenPrompts, first_token_reward
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, SamplingConfig
-from miles.core.loop import Components, train_sync
+from miles.core.loop import Components, train
 from miles.core.publisher import EnginePublisher
-from miles.core.sample import Sample
 from miles.rollout.engines import EmbeddedEngine
 from miles.rollout.generate import ChatRollout
 from miles.sync import InProcessTransport, WeightSender
 from miles.train import FSDP2Backend, TrainConfig
-
-TARGETS = set(range(20, 28))  # 8 of 32 tokens: a random policy starts near 25% reward
-
-
-class TokenPrompts:
-    """Prompts [1, k] as token ids (no tokenizer needed)."""
-
-    def __init__(self):
-        self.count = 0
-
-    def next_prompts(self, num):
-        prompts = [
-            Sample(index=i, group_index=self.count + i, prompt=[1, 3 + (self.count + i) % 8]) for i in range(num)
-        ]
-        self.count += num
-        return prompts
-
-    def state_dict(self):
-        return {"count": self.count}
-
-    def load_state_dict(self, state):
-        self.count = state["count"]
-
-
-def first_token_reward(sample: Sample) -> float:
-    return 1.0 if sample.response_tokens[0] in TARGETS else 0.0
 
 
 def test_grpo_raises_the_reward_of_a_tiny_random_model_on_a_toy_task(tiny_llama_dir):
@@ -60,7 +33,7 @@ def test_grpo_raises_the_reward_of_a_tiny_random_model_on_a_toy_task(tiny_llama_
         eval_prompts=TokenPrompts().next_prompts(8),
     )
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=2)
-    train_sync(
+    train(
         components,
         loop=LoopConfig(num_steps=15),
         rollout=RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=8, sampling=sampling),
@@ -92,7 +65,7 @@ def test_a_batch_where_every_reward_fails_stops_with_a_clear_message(tiny_llama_
         sink=ListSink(),
     )
     with pytest.raises(RuntimeError, match="all 4 samples failed.*scorer is down"):
-        train_sync(
+        train(
             components,
             loop=LoopConfig(num_steps=1),
             rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2),

@@ -8,7 +8,7 @@ import torch
 from doubles import CountingPublisher, FakeBackend, ListSink
 from miles.core import logs
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
-from miles.core.loop import Components, no_signal_ratio, train_sync
+from miles.core.loop import Components, no_signal_ratio, train
 from miles.core.sample import Sample, SampleStatus
 
 DONE, FAILED = SampleStatus.COMPLETED, SampleStatus.FAILED
@@ -102,7 +102,7 @@ def test_a_run_whose_steps_have_no_reward_variance_warns_once_and_logs_the_ratio
         sink=sink,
     )
     with caplog.at_level(logging.WARNING, logger="miles.core.loop"):
-        train_sync(
+        train(
             components,
             loop=LoopConfig(num_steps=4),
             rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2),
@@ -131,7 +131,7 @@ def test_a_step_with_signal_in_some_group_does_not_warn(caplog):
         sink=sink,
     )
     with caplog.at_level(logging.WARNING, logger="miles.core.loop"):
-        train_sync(
+        train(
             components,
             loop=LoopConfig(num_steps=1),
             rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2),

@@ -1,4 +1,7 @@
-"""EnginePublisher: pause -> push -> flush -> version bump -> resume, the version owned in one place."""
+"""EnginePublisher: pause -> push -> flush -> version bump -> resume, the version owned in one place, inside the
+guard the caller gives (Ray mode: the engine supervisor's)."""
+
+import contextlib
 
 import pytest
 from miles.core.publisher import EnginePublisher
@@ -82,3 +85,55 @@ def test_the_weights_reach_a_real_receiver_with_the_publisher_s_versions(tiny_ll
     publisher = EnginePublisher(backend, [engine], version=4)  # as after a resume from a v4 checkpoint
     assert publisher.publish() == 5 and engine.weight_version == 5
     assert publisher.publish() == 6 and engine.weight_version == 6
+
+
+class RecordingGuard:
+    """A publish guard that logs when it is entered and left, and can refuse (an engine that stayed dead)."""
+
+    def __init__(self, log, refuse=False):
+        self.log, self.refuse = log, refuse
+
+    @contextlib.contextmanager
+    def __call__(self):
+        if self.refuse:
+            raise RuntimeError("engine http://a is out of service")
+        self.log.append(("guard", "enter"))
+        try:
+            yield
+        finally:
+            self.log.append(("guard", "exit"))
+
+
+def test_the_guard_is_held_from_before_the_pause_until_after_the_resume():
+    log = []
+    engine = RecordingEngine("a", log)
+    publisher = EnginePublisher(PushingBackend(log), [engine], guard=RecordingGuard(log))
+    assert publisher.publish() == 1
+    assert log == [
+        ("guard", "enter"),
+        ("a", "pause", "keep"),
+        ("backend", "push", 1),
+        ("a", "flush"),
+        ("a", "resume"),
+        ("guard", "exit"),
+    ]
+
+
+def test_a_failed_push_leaves_the_guard_after_the_engines_resume():
+    log = []
+    publisher = EnginePublisher(
+        PushingBackend(log, fail_at={1}), [RecordingEngine("a", log)], guard=RecordingGuard(log)
+    )
+    with pytest.raises(WeightUpdateError):
+        publisher.publish()
+    assert log[-2:] == [("a", "resume"), ("guard", "exit")] and publisher.version == 0
+
+
+def test_a_guard_that_refuses_stops_the_publish_before_any_engine_pauses():
+    log = []
+    publisher = EnginePublisher(
+        PushingBackend(log), [RecordingEngine("a", log)], guard=RecordingGuard(log, refuse=True)
+    )
+    with pytest.raises(RuntimeError, match="out of service"):
+        publisher.publish()
+    assert log == [] and publisher.version == 0

@@ -3,7 +3,7 @@
 from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.batch import TrainBatch, build_train_batch, split_micro_batches
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig, SamplingConfig
-from miles.core.loop import Components, run_step, train_step, train_sync
+from miles.core.loop import Components, run_step, train, train_step
 from miles.core.protocols import (
     DataSource,
     Engine,
@@ -47,5 +47,5 @@ __all__ = [
     "score_samples",
     "split_micro_batches",
     "train_step",
-    "train_sync",
+    "train",
 ]

@@ -5,7 +5,7 @@ reads no file (model paths are checked when a run is built)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from miles.core.algorithms.config import (
     ON_OFF,
@@ -19,6 +19,7 @@ from miles.core.algorithms.config import (
     changed_fields,
 )
 from miles.core.algorithms.registry import ESTIMATORS, POLICY_LOSSES
+from miles.core.plugins import check_plugin_path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
@@ -27,13 +28,16 @@ __all__ = [
     "CriticConfig",
     "DynamicSamplingConfig",
     "EvalConfig",
+    "EvalSetConfig",
     "ExecutionConfig",
     "KLConfig",
     "LoopConfig",
     "LossConfig",
     "ModelsConfig",
+    "MultiTurnConfig",
     "OverlongConfig",
     "PolicyModelConfig",
+    "RayConfig",
     "ReferenceModelConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",
@@ -73,6 +77,74 @@ class SamplingConfig(_Section):
     max_new_tokens: int = Field(48, ge=1, description="Response length limit in tokens; hitting it = truncated.")
 
 
+class MultiTurnConfig(_Section):
+    """Multi-turn generation with tool calls (rollout.mode multi_turn; ``miles.rollout.multiturn``): the model calls a
+    tool in the Hermes ``<tool_call>{json}</tool_call>`` format, Miles runs it, appends the result through the chat
+    template and lets the model continue, token-in-token-out. docs/agentic.md has the details."""
+
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="Model turns (engine requests) per sample. A sample whose last allowed turn still calls a tool "
+        "ends TRUNCATED (metadata stop_reason 'max_turns'); its tool calls are not run. 3-4 suit the calculator task.",
+    )
+    max_response_tokens: int = Field(
+        256,
+        ge=1,
+        description="Token budget of the whole response: model tokens, tool results and template glue. Each turn asks "
+        "for min(rollout.sampling.max_new_tokens, what is left); a turn cut at the budget, or tool results that would "
+        "leave no room for one more model token, end the sample TRUNCATED (stop_reason 'max_response_tokens').",
+    )
+    tool_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds one tool call may take. Tools run in worker threads, off the rollout's event loop; a "
+        "call past the limit returns 'Error: ... did not answer within N s' to the model (counted in metadata "
+        "num_tool_timeouts) and the sample goes on. A thread cannot be killed: a tool that never returns keeps one, "
+        "so a tool running untrusted code should run it in a subprocess with its own limit.",
+    )
+    tools: list[str] = Field(
+        default_factory=lambda: ["miles.rollout.calculator:calculator"],
+        description="The tools the model may call, each the module:attr of a miles.rollout.tools.Tool; imported and "
+        "checked at start-up. The default is the safe arithmetic calculator (ast-based, no eval).",
+    )
+    few_shot: list[dict[str, str]] = Field(
+        default_factory=list,
+        description="Chat messages put between each prompt's system message and its first other message, e.g. one "
+        "worked exchange (user, assistant with a <tool_call>, tool, assistant): small models imitate it. Part of the "
+        "prompt (never trained); not added to prompts given as token ids. Empty (the default) adds nothing.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables of the chat template in every rendering (prompt and tool turns), e.g. "
+        "{enable_thinking: false} for Qwen3 templates. Empty = the template's defaults.",
+    )
+    agent_path: str = Field(
+        "",
+        description="module:attr of an agent, fn(base_url: str, prompt: Sample) -> None (async or sync), that drives "
+        "each sample's conversation through an OpenAI-compatible chat-completions endpoint at base_url "
+        "(miles.rollout.agents); Miles records the exact ids and log-probs. It replaces the built-in tool loop: "
+        "max_turns, max_response_tokens and chat_template_kwargs apply, tools, few_shot and tool_timeout_s must stay "
+        "at their defaults (the agent's requests bring the messages and tools). Empty (the default) = the built-in "
+        "loop.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MultiTurnConfig:
+        check_plugin_path("rollout.multi_turn.agent_path", self.agent_path, "my_pkg.agents:agent")
+        if self.agent_path:
+            for name in ("tools", "few_shot", "tool_timeout_s"):
+                value = getattr(self, name)
+                if value != type(self).model_fields[name].get_default(call_default_factory=True):
+                    flag = f"--rollout.multi-turn.{name.replace('_', '-')}"
+                    raise ValueError(
+                        f"rollout.multi_turn.{name} is {value!r} but rollout.multi_turn.agent_path is set, and the "
+                        "agent's requests bring their own messages and tools, so it would not be used. Give the tools "
+                        f"and examples to the agent, and drop {flag}."
+                    )
+        return self
+
+
 class RolloutConfig(_Section):
     """How many prompts and samples each step generates and how they are split into optimizer steps."""
 
@@ -92,16 +164,57 @@ class RolloutConfig(_Section):
         "0, because the trainer's and the engine's log-probs are those of the untruncated distribution, so a "
         "truncated sampler would make the PPO ratio and the TIS/MIS corrections compare different distributions.",
     )
-    mode: Literal["generate", "sft"] = Field(
+    mode: Literal["generate", "sft", "multi_turn"] = Field(
         "generate",
         description="generate: the engine samples the responses (RL); sft: the response is the data's reference "
-        "answer (teacher forcing, no generation), trained on assistant tokens with algorithm.loss.policy_loss sft.",
+        "answer (teacher forcing, no generation), trained on assistant tokens with algorithm.loss.policy_loss sft; "
+        "multi_turn: the engine samples several turns with tool calls in between (rollout.multi_turn), tool tokens "
+        "untrained.",
+    )
+    generate_path: str = Field(
+        "",
+        description="module:attr of a group-generate factory (miles.rollout.generate_factory.GenerateFactory): "
+        "called once at start-up with a GenerateContext (engine, tokenizer, this section), it returns the "
+        "GroupGenerateFn that turns each prompt into its n samples, for training and eval; imported and checked at "
+        "start-up. Empty (the default) = the built-in one of rollout.mode (generate: single turn; multi_turn: "
+        "miles.rollout.multiturn:build_multi_turn). Not with rollout.mode sft.",
+    )
+    rollout_path: str = Field(
+        "",
+        description="module:attr of a rollout factory: called once at start-up with a GenerateContext (engine, "
+        "tokenizer, this section), it returns the RolloutFn that turns a step's prompts into all their samples at "
+        "once (training with loop.mode sync, and eval). Replaces the built-in rollout of rollout.mode generate; not "
+        "with rollout.generate_path. Empty = none.",
+    )
+    sample_hook_path: str = Field(
+        "",
+        description="module:attr of fn(sample) -> None called on every generated sample before its reward (edit "
+        "metadata, or fail a sample). Empty = none.",
+    )
+    multi_turn: MultiTurnConfig = Field(
+        default_factory=MultiTurnConfig,
+        description="Turn and token budgets, tools and prompt extras of rollout.mode multi_turn (a setting of it "
+        "with another mode is an error).",
     )
     seed: int = Field(1234, description="Seed of the engine's sampler (each step derives its own).")
+    max_resubmits: int = Field(
+        2,
+        ge=0,
+        description="A response cut off by a weight update (engine.pause_mode abort) is requested again from the "
+        "start, with the same seed, up to this many times; then it stays aborted (kept, not trained).",
+    )
 
     @property
     def samples_per_rollout(self) -> int:
         return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The longest response a sample can have, in tokens: ``multi_turn.max_response_tokens`` with
+        rollout.mode multi_turn (all turns and tool results), else ``sampling.max_new_tokens``."""
+        if self.mode == "multi_turn":
+            return self.multi_turn.max_response_tokens
+        return self.sampling.max_new_tokens
 
     @property
     def steps_per_rollout(self) -> int:
@@ -110,6 +223,37 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
+        defaults = MultiTurnConfig()  # any field off its default, set or not
+        changed = [n for n in MultiTurnConfig.model_fields if getattr(self.multi_turn, n) != getattr(defaults, n)]
+        if self.mode != "multi_turn" and changed:
+            key = f"rollout.multi_turn.{changed[0]}"
+            raise ValueError(
+                f"{key} is {getattr(self.multi_turn, changed[0])!r} but rollout.mode is {self.mode!r}, and it applies "
+                f"to multi-turn rollouts only. Set --rollout.mode multi_turn, or drop --{key.replace('_', '-')}."
+            )
+        if self.generate_path and self.mode == "sft":
+            raise ValueError(
+                f"rollout.generate_path is {self.generate_path!r} but rollout.mode is 'sft', which generates nothing "
+                "(the responses are the data's answers). Drop --rollout.generate-path, or set --rollout.mode generate."
+            )
+        if self.generate_path and ":" not in self.generate_path:
+            raise ValueError(
+                f"rollout.generate_path is {self.generate_path!r}; expected module:attr of a group-generate factory, "
+                "e.g. --rollout.generate-path my_pkg.agents:build_generate"
+            )
+        if self.rollout_path and (self.generate_path or self.mode != "generate"):
+            other = (
+                f"rollout.generate_path is {self.generate_path!r}"
+                if self.generate_path
+                else f"rollout.mode is {self.mode!r}"
+            )
+            raise ValueError(
+                f"rollout.rollout_path is {self.rollout_path!r} but {other}: a rollout function replaces the built-in "
+                "rollout of rollout.mode generate. Keep one of --rollout.rollout-path and --rollout.generate-path, "
+                "with --rollout.mode generate."
+            )
+        check_plugin_path("rollout.rollout_path", self.rollout_path, "my_pkg.rollouts:build_rollout")
+        check_plugin_path("rollout.sample_hook_path", self.sample_hook_path, "my_pkg.hooks:tag_sample")
         for key, value, off, flag in (
             ("top_p", self.sampling.top_p, 1.0, "--rollout.sampling.top-p 1.0"),
             ("top_k", self.sampling.top_k, 0, "--rollout.sampling.top-k 0"),
@@ -132,22 +276,83 @@ class RolloutConfig(_Section):
         return self
 
 
-class EvalConfig(_Section):
-    """Held-out evaluation on fixed prompts with its own sampling settings."""
+class _EvalSettings(_Section):
+    """What one evaluation samples and reports (shared by ``eval`` and each of ``eval.sets``)."""
 
-    interval: int = Field(0, ge=0, description="Evaluate every N steps; 0 = only before the first and after the last.")
     num_prompts: int = Field(32, ge=0, description="Fixed held-out prompts; 0 disables evaluation.")
     n_samples_per_prompt: int = Field(4, ge=1, description="Samples per eval prompt; eval/reward is their mean.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling used for evaluation.")
+    pass_k: list[int] = Field(
+        default_factory=lambda: [1],
+        description="k of the eval/pass@k metrics: the unbiased estimate 1 - C(n-c, k) / C(n, k) per prompt (n "
+        "samples, c of them passing; Chen et al. 2021, arXiv:2107.03374), averaged over prompts. Each k must be <= "
+        "n_samples_per_prompt. [] = none.",
+    )
+    pass_threshold: float = Field(
+        1.0, description="A sample passes (for pass@k) when its reward is >= this (1.0: fully correct)."
+    )
+
+    def _check_pass_k(self, key: str) -> None:
+        bad = [k for k in self.pass_k if not 1 <= k <= self.n_samples_per_prompt]
+        if bad:
+            raise ValueError(
+                f"{key}.pass_k holds {bad}, but pass@k needs 1 <= k <= {key}.n_samples_per_prompt "
+                f"({self.n_samples_per_prompt}). Raise --{key.replace('_', '-')}.n-samples-per-prompt or drop those k."
+            )
+
+
+class EvalSetConfig(_EvalSettings):
+    """One named eval set: its own prompts (``data`` overrides of the data section) and sampling; its metrics are
+    ``eval/<name>/reward``, ``eval/<name>/pass@k``, ..."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Metric prefix eval/<name>/ (letters, digits, _.-).")
+    num_prompts: int = Field(32, ge=1, description="Fixed held-out prompts of this set.")
+    data: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keys of the data section that differ for this set, e.g. {source: file, path: test.jsonl} or "
+        "{task: chain_sum}; its prompts are that data's eval prompts (checked with the data section).",
+    )
+
+
+class EvalConfig(_EvalSettings):
+    """Held-out evaluation on fixed prompts with its own sampling settings, plus any named eval sets."""
+
+    interval: int = Field(0, ge=0, description="Evaluate every N steps; 0 = only before the first and after the last.")
+    path: str = Field(
+        "",
+        description="module:attr of an eval function (components, evaluation) -> dict[str, float] replacing the "
+        "built-in one (miles.core.evaluation:evaluate: mean reward and pass@k over every eval set). Empty = the "
+        "built-in one.",
+    )
+    sets: list[EvalSetConfig] = Field(
+        default_factory=list,
+        description="Named eval sets, evaluated after the default one (whose prompts are eval.num_prompts of the data "
+        "section's eval prompts); each has its own num_prompts, sampling and pass_k, and is scored with the run's "
+        "reward, so its labels must suit it, e.g. [{name: chain, data: {task: chain_sum, task_kwargs: {}}, "
+        "n_samples_per_prompt: 8, pass_k: [1, 8]}].",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
-        if not self.num_prompts and self.interval:
+        check_plugin_path("eval.path", self.path, "my_pkg.evals:evaluate")
+        if not self.num_prompts and self.interval and not self.sets:
             raise ValueError(
                 f"eval.interval is {self.interval} but eval.num_prompts is 0 (evaluation off), so no evaluation "
                 "would run. Set --eval.num-prompts 32 (or more), or drop --eval.interval."
             )
+        if self.num_prompts:
+            self._check_pass_k("eval")
+        names = [s.name for s in self.sets]
+        for i, eval_set in enumerate(self.sets):
+            if eval_set.name in names[:i]:
+                raise ValueError(f"eval.sets[{i}].name {eval_set.name!r} is used twice; give each set its own name")
+            eval_set._check_pass_k(f"eval.sets[{i}]")
         return self
+
+    @property
+    def enabled(self) -> bool:
+        """True when any evaluation runs (the default set or a named one)."""
+        return bool(self.num_prompts or self.sets)
 
 
 class PolicyModelConfig(_Section):
@@ -219,23 +424,115 @@ class ModelsConfig(_Section):
     )
 
 
+class RayConfig(_Section):
+    """The Ray session of execution.mode ray (``miles.core.execution.ray_session``) and the trainer's placement."""
+
+    address: str | None = Field(
+        None,
+        description="An existing cluster to join ('auto', 'host:6379', 'ray://host:10001'); null (the default) "
+        "starts a local cluster for the run and stops it at the end.",
+    )
+    num_cpus: int | None = Field(
+        None,
+        ge=1,
+        description="Logical CPUs of the local cluster; null (the default) = Ray's default (the machine's cores). "
+        "Logical CPUs may exceed the cores (small actors share them). Local clusters only: a joined cluster "
+        "(execution.ray.address) has its own.",
+    )
+    log_to_driver: bool = Field(
+        True, description="Forward the actors' stdout/stderr (trainer ranks' warnings, tracebacks) to this console."
+    )
+    namespace: str | None = Field(
+        None, description="Ray namespace of the run's actors; null (the default) = an anonymous one."
+    )
+    trainer_cpus_per_rank: float = Field(
+        1.0,
+        gt=0.0,
+        description="CPUs of each trainer rank's placement-group bundle (one bundle per rank, train.world_size in "
+        "all); also the rank's torch threads (at least 1).",
+    )
+    placement_strategy: Literal["PACK", "SPREAD"] = Field(
+        "PACK",
+        description="How the trainer bundles are placed: PACK (the default) on as few nodes as possible; SPREAD "
+        "across nodes.",
+    )
+    max_trainer_restarts: int = Field(
+        0,
+        ge=0,
+        description="How often a run whose trainer rank died (crashed, killed, OOM) restarts the trainer instead of "
+        "stopping: all its rank actors are killed, train.world_size new ones start on the same placement group, "
+        "and the run goes on from its newest checkpoint (weights, optimizer, data position, RNG states; the "
+        "engines get the checkpoint's weights), redoing the steps after it; before the first checkpoint (always, "
+        "with loop.save_interval 0) it starts over at step 0 from models.policy.path. 0 (the default) stops the "
+        "run with one line naming the checkpoint to --resume from. A restart costs the trainer's start-up plus "
+        "the redone steps: keep loop.save_interval small when restarts are on.",
+    )
+
+
 class ExecutionConfig(_Section):
     """Where the components run."""
 
-    mode: Literal["local"] = Field(
+    mode: Literal["local", "ray"] = Field(
         "local",
-        description="local: engine, trainer and loop in this one process, no cluster to start (the only mode "
-        "today; a Ray mode across processes and machines is planned).",
+        description="local: engine, trainer and loop in this one process, no cluster to start. ray: the trainer "
+        "runs as train.world_size FSDP2 ranks, Ray actors on a placement group (execution.ray), and pushes its "
+        "weights from rank 0 straight to the engine servers (engine.type vllm or sglang); the loop stays here.",
     )
+    ray: RayConfig = Field(
+        default_factory=RayConfig,
+        description="The Ray session and the trainer's placement; execution.mode ray only (a setting of it with "
+        "mode local is an error).",
+    )
+
+    @model_validator(mode="after")
+    def _check_ray(self) -> ExecutionConfig:
+        changed = changed_fields(self.ray, type(self.ray).model_fields)
+        if self.mode != "ray" and changed:
+            key = f"execution.ray.{changed[0]}"
+            raise ValueError(
+                f"{key} is {getattr(self.ray, changed[0])!r} but execution.mode is {self.mode!r}, and it applies to "
+                f"Ray execution only. Set --execution.mode ray, or drop --{key.replace('_', '-')}."
+            )
+        if self.ray.address is not None and self.ray.num_cpus is not None:
+            raise ValueError(
+                f"execution.ray.num_cpus is {self.ray.num_cpus} but execution.ray.address is {self.ray.address!r}: "
+                "a running cluster's resources are its own. Drop --execution.ray.num-cpus, or drop "
+                "--execution.ray.address to start a local cluster with that many CPUs."
+            )
+        return self
 
 
 class LoopConfig(_Section):
     """The training loop: which loop, how long, how often to save."""
 
-    mode: Literal["sync"] = Field(
+    mode: Literal["sync", "one_step_off", "fully_async"] = Field(
         "sync",
-        description="sync: generate, then train, then push weights, one step at a time (the only loop today; "
-        "one-step-off and fully asynchronous loops are planned).",
+        description="sync: generate, then train, then push weights, one step at a time. one_step_off: step k+1's "
+        "rollout is generated (on step k's weights) while step k trains; it finishes before the weights are "
+        "replaced, so every sample of step k >= 1 is exactly one version stale. fully_async: a producer keeps the "
+        "engines generating into a buffer while the trainer consumes it, within loop.max_weight_staleness; a "
+        "weight update interrupts requests in flight (aborted and generated again, or continued with "
+        "loop.partial_rollout).",
+    )
+    max_weight_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="fully_async only (default 1 there): the most weight versions a trained sample's oldest token "
+        "may lag the trainer's weights. Groups of step s start only after step s - N trained, and a group that "
+        "is still staler when taken is dropped and generated again (counted as staleness/dropped_groups). 0 "
+        "generates nothing ahead and reproduces the sync loop.",
+    )
+    partial_rollout: bool = Field(
+        False,
+        description="fully_async only: a weight update retracts requests in flight and continues them on the new "
+        "weights, keeping their earlier tokens (a sample then carries several weight_versions; staleness counts "
+        "from the oldest). false: they are aborted and requested again from the start (rollout.max_resubmits).",
+    )
+    mask_stale_segments: bool = Field(
+        False,
+        description="loop.partial_rollout only: train only the newest segment of a continued request; the tokens "
+        "older weights sampled get loss_mask 0 (slime's mask-offpolicy-in-partial-rollout). Needs an engine that "
+        "reports segment boundaries (embedded; server engines report versions only, and all tokens are trained).",
     )
     num_steps: int = Field(12, ge=1, description="Rollout steps (each: generate, score, train, push weights).")
     save_interval: int = Field(
@@ -253,12 +550,46 @@ class LoopConfig(_Section):
         "checkpoint while the next one is written.",
     )
 
+    @model_validator(mode="after")
+    def _check_async_settings(self) -> LoopConfig:
+        if self.mode != "fully_async":
+            settings = (("max_weight_staleness", self.max_weight_staleness), ("partial_rollout", self.partial_rollout))
+            for name, value in settings:
+                if value not in (None, False):
+                    raise ValueError(
+                        f"loop.{name} is {value!r} but loop.mode is {self.mode!r}; it applies to fully_async only: set "
+                        f"--loop.mode fully_async or drop --loop.{name.replace('_', '-')}"
+                    )
+        if self.mask_stale_segments and not self.partial_rollout:
+            raise ValueError(
+                "loop.mask_stale_segments is True but loop.partial_rollout is False: without partial rollouts every "
+                "response has one segment. Set --loop.partial-rollout true, or drop --loop.mask-stale-segments"
+            )
+        return self
+
+    @property
+    def staleness_bound(self) -> int:
+        """The staleness bound the loop enforces: 0 (sync), 1 (one_step_off), max_weight_staleness or 1."""
+        if self.mode == "sync":
+            return 0
+        if self.mode == "one_step_off":
+            return 1
+        return 1 if self.max_weight_staleness is None else self.max_weight_staleness
+
+    @property
+    def pause_mode(self) -> str | None:
+        """How a weight update pauses the engines in this loop, or None for the engine's own setting (nothing is
+        in flight in the sync and one-step-off loops at an update)."""
+        if self.mode != "fully_async":
+            return None
+        return "retract" if self.partial_rollout else "abort"
+
 
 def check_group_size(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:
     """Refuse algorithms that need groups of at least two samples per prompt when ``rollout`` gives one.
 
     A rule across two sections: the root config (``miles.recipes.config``) applies it at validation, and
-    ``train_sync`` again at its start, for loops driven from a user script.
+    ``train`` again at its start, for loops driven from a user script.
     Raises: ValueError naming the key, the value, why nothing would be learned and the fix.
     """
     n, advantage = rollout.n_samples_per_prompt, algorithm.advantage

@@ -1,15 +1,20 @@
-"""The synchronous training loop, as DESIGN.md section 4 states it:
-rollout -> reward -> filter -> advantages -> (ref/old log-probs) -> train -> push weights -> eval -> save."""
+"""The training loop, as DESIGN.md section 4 states it:
+rollout -> reward -> filter -> advantages -> (ref/old log-probs) -> train -> push weights -> eval -> save.
+
+``loop.mode`` sync generates each step's rollout after the previous step's weights are published; one_step_off and
+fully_async take it from a ``RolloutProducer`` that generates ahead within the staleness bound (``producer.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from miles.core.algorithms.advantages import AdvantageInputs, AdvantageParams, compute_advantages
@@ -24,20 +29,26 @@ from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.batch import TrainBatch, build_train_batch
 from miles.core.buffer import RolloutGroups, collect_groups
 from miles.core.config import AlgorithmConfig, CriticConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
+from miles.core.evaluation import evaluate, has_eval
 from miles.core.logs import warn_once
 from miles.core.plugins import load_plugin
+from miles.core.producer import PromptQueue, RolloutProducer, group_staleness
 from miles.core.protocols import (
     DataSource,
+    EvalFn,
     GroupGenerateFn,
+    GroupRewardFn,
     MetricsSink,
     ProgressBar,
     RewardFn,
     RolloutFn,
+    SampleHook,
     TrainBackend,
+    TrainHooks,
     WeightPublisher,
 )
-from miles.core.rewards import score_samples
-from miles.core.sample import Sample, SampleStatus
+from miles.core.rewards import failure_counts, outcome_counts, score_samples
+from miles.core.sample import Sample, SampleStatus, group_samples
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +67,10 @@ class Components:
     publisher: WeightPublisher  # trainer weights -> engines, one version per step
     sink: MetricsSink
     eval_prompts: Sequence[Sample] = ()
-    save_checkpoint: Callable[[int], None] | None = None  # called with the number of completed steps
+    # The prompts of each named eval set (eval.sets), by name.
+    eval_sets: Mapping[str, Sequence[Sample]] = field(default_factory=dict)
+    # Called with the number of completed steps; returns the checkpoint directory written (for TrainHooks.on_save).
+    save_checkpoint: Callable[[int], Path | None] | None = None
     # Polled between steps; True ends the run early (a Ctrl-C/SIGTERM asked for a clean stop).
     should_stop: Callable[[], bool] = lambda: False
     # Opens a bar over an evaluation's number of samples; the rollout function then gets ``on_finished`` (it must
@@ -65,9 +79,31 @@ class Components:
     # Training rollouts one prompt at a time (the producer / buffer path an async loop uses); None: ``rollout_fn``
     # serves them too, adapted to groups (``RolloutGroups``: one batch call per round). Evaluation uses rollout_fn.
     generate_group: GroupGenerateFn | None = None
+    # Called after each step: raises if an engine is out of service for good (the run stops there), else returns
+    # engine metrics merged into the step's record (the engine supervisor's ``check``: engine/restarts, ...).
+    engine_health: Callable[[], dict[str, float]] | None = None
+    # Extension points (miles.core.plugins.EXTENSION_POINTS): rollout.sample_hook_path, reward.group_path, eval.path
+    # (None: miles.core.evaluation.evaluate) and run.hooks.
+    sample_hook: SampleHook | None = None
+    group_reward_fn: GroupRewardFn | None = None
+    eval_fn: EvalFn | None = None
+    hooks: Sequence[TrainHooks] = ()
+
+    def score(self, samples: Sequence[Sample]) -> int:
+        """``score_samples`` with this run's reward, sample hook and group reward; returns the failed count."""
+        return score_samples(
+            samples, self.reward_fn, sample_hook=self.sample_hook, group_reward_fn=self.group_reward_fn
+        )
+
+    def call_hooks(self, name: str, *args: object) -> None:
+        """Call ``name`` on every train hook that has it."""
+        for hook in self.hooks:
+            method = getattr(hook, name, None)
+            if method is not None:
+                method(*args)
 
 
-def train_sync(
+def train(
     components: Components,
     *,
     loop: LoopConfig,
@@ -77,40 +113,83 @@ def train_sync(
     critic: CriticConfig | None = None,
     start_step: int = 0,
 ) -> int:
-    """Run steps ``start_step .. loop.num_steps - 1``; evaluate before the first and after the last.
+    """Run steps ``start_step .. loop.num_steps - 1`` in ``loop.mode``; evaluate before the first and after the last.
 
     Checkpoints are saved every ``loop.save_interval`` steps, after the last, and after the step during which
     ``components.should_stop()`` became True; the run then ends there (without the final eval). ``critic`` is the
     ``models.critic`` section (its value clip), for an estimator that trains a critic.
+
+    In the one_step_off and fully_async modes a ``RolloutProducer`` generates ahead; ``components.data_source``
+    should then be a ``PromptQueue`` (what a checkpoint stores of it counts trained prompts only; any other source
+    is wrapped in one, fine for runs that never resume) and ``components.generate_group`` must be set. Evaluations
+    run between steps on the weights just published (``eval/weight_version``).
     Returns: the number of completed steps (``loop.num_steps`` unless stopped early).
     Raises: before anything runs: ValueError if ``algorithm`` needs groups of >= 2 samples and ``rollout`` has one
-        (``check_group_size``, the rule the root config also applies); ImportError/AttributeError/TypeError naming
-        the key of a plugin that does not load or has the wrong signature.
+        (``check_group_size``, the rule the root config also applies), or for an async mode without
+        ``generate_group`` or with dynamic sampling; ImportError/AttributeError/TypeError naming the key of a plugin
+        that does not load or has the wrong signature.
     """
     check_group_size(rollout, algorithm)
     load_algorithm_plugins(algorithm)
     c = components
-    objective = PolicyObjective(algorithm, max_new_tokens=rollout.sampling.max_new_tokens, critic=critic)
-    if evaluation.num_prompts and c.eval_prompts and start_step == 0:
-        c.sink.log(evaluate(c, evaluation), step=0)
-    for step in range(start_step, loop.num_steps):
-        if c.should_stop():  # asked before this step began (e.g. during the step-0 eval): nothing new to save
-            return step
-        metrics = run_step(c, step=step, rollout=rollout, algorithm=algorithm, objective=objective)
-        last = step + 1 == loop.num_steps
-        if (
-            c.eval_prompts
-            and evaluation.num_prompts
-            and (last or (evaluation.interval and (step + 1) % evaluation.interval == 0))
-        ):
-            metrics.update(evaluate(c, evaluation))
-        c.sink.log(metrics, step=step + 1)
-        stop = not last and c.should_stop()
-        periodic = loop.save_interval and (step + 1) % loop.save_interval == 0
-        if c.save_checkpoint is not None and (last or periodic or stop):
-            c.save_checkpoint(step + 1)
-        if stop:
-            return step + 1
+    producer = None
+    if loop.mode != "sync":
+        if c.generate_group is None:
+            raise ValueError(
+                f"loop.mode {loop.mode} needs a group-generate function (Components.generate_group); "
+                "rollout.mode sft generates nothing: use --loop.mode sync"
+            )
+        if algorithm.dynamic_sampling is not None:
+            raise ValueError(
+                f"algorithm.dynamic_sampling is not supported with loop.mode {loop.mode} yet: use --loop.mode sync, "
+                "or turn it off with --algorithm.dynamic-sampling null"
+            )
+        if not isinstance(c.data_source, PromptQueue):
+            c.data_source = PromptQueue(c.data_source)
+        producer = RolloutProducer(
+            c.generate_group,
+            c.data_source,
+            c.reward_fn,
+            sample_hook=c.sample_hook,
+            group_reward_fn=c.group_reward_fn,
+            rollout=rollout,
+            max_weight_staleness=loop.staleness_bound,
+            start_step=start_step,
+        )
+    objective = PolicyObjective(algorithm, max_new_tokens=rollout.max_response_tokens, critic=critic)
+    run_eval = c.eval_fn or evaluate
+    if has_eval(c, evaluation) and start_step == 0:
+        c.sink.log(run_eval(c, evaluation), step=0)
+    with contextlib.ExitStack() as stack:
+        if producer is not None:
+            stack.enter_context(producer)
+        for step in range(start_step, loop.num_steps):
+            if c.should_stop():  # asked before this step began (e.g. during the step-0 eval): nothing new to save
+                return step
+            metrics = run_step(
+                c,
+                step=step,
+                rollout=rollout,
+                algorithm=algorithm,
+                objective=objective,
+                producer=producer,
+                drain=loop.mode == "one_step_off",
+            )
+            if c.engine_health is not None:
+                metrics.update(c.engine_health())
+            last = step + 1 == loop.num_steps
+            if has_eval(c, evaluation) and (last or (evaluation.interval and (step + 1) % evaluation.interval == 0)):
+                metrics.update(run_eval(c, evaluation))
+            c.sink.log(metrics, step=step + 1)
+            c.call_hooks("on_train_step_end", step + 1, metrics)
+            stop = not last and c.should_stop()
+            periodic = loop.save_interval and (step + 1) % loop.save_interval == 0
+            if c.save_checkpoint is not None and (last or periodic or stop):
+                path = c.save_checkpoint(step + 1)
+                if path is not None:
+                    c.call_hooks("on_save", step + 1, path)
+            if stop:
+                return step + 1
     return loop.num_steps
 
 
@@ -121,21 +200,38 @@ def run_step(
     rollout: RolloutConfig,
     algorithm: AlgorithmConfig,
     objective: PolicyObjective | None = None,
+    producer: RolloutProducer | None = None,
+    drain: bool = False,
 ) -> dict[str, float]:
     """One rollout step: generate (+ dynamic sampling), score, shape, advantages, train, publish weights.
 
-    ``objective`` is built from ``algorithm`` when not given (``train_sync`` builds it once per run; an estimator
-    with a critic needs it given).
+    ``objective`` is built from ``algorithm`` when not given (``train`` builds it once per run; an estimator
+    with a critic needs it given). With a ``producer`` the rollout is taken from it (generated ahead, already
+    scored), its prompts are marked trained, and the producer may start the groups the published weights allow;
+    ``drain`` first waits for every group it is generating (one-step-off).
     """
     if objective is None:
-        objective = PolicyObjective(algorithm, max_new_tokens=rollout.sampling.max_new_tokens)
+        objective = PolicyObjective(algorithm, max_new_tokens=rollout.max_response_tokens)
     t0 = time.perf_counter()
-    samples, num_failed, filter_metrics = collect_samples(c, step=step, rollout=rollout, algorithm=algorithm)
+    if producer is None:
+        samples, num_failed, filter_metrics = collect_samples(c, step=step, rollout=rollout, algorithm=algorithm)
+    else:
+        dropped = producer.num_dropped
+        groups = producer.take(step, c.publisher.version)
+        samples = [s for group in groups for s in group]
+        num_failed = sum(s.status == SampleStatus.FAILED for s in samples)
+        filter_metrics = {"staleness/dropped_groups": float(producer.num_dropped - dropped), **producer.stats()}
+    taken = sorted({s.group_index for s in samples})  # consumed, whether the buffer filter keeps them or not
+    if algorithm.buffer_filter_path:
+        samples, num_failed = _buffer_filter(samples, algorithm.buffer_filter_path, filter_metrics)
+    c.call_hooks("on_rollout_end", step, samples)
     t_rollout = time.perf_counter() - t0
     scored = [s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples]
     if not any(scored):
         reasons = {s.metadata.get("failure", s.status.value) for s in samples}
         raise RuntimeError(f"step {step}: all {len(samples)} samples failed; reasons: {sorted(reasons)[:5]}")
+    # Versions behind the weights this step trains against, from each sample's oldest token.
+    staleness = [group_staleness([s], c.publisher.version) for s in samples if s.weight_versions]
     scores = torch.tensor([s.reward if v else 0.0 for s, v in zip(samples, scored)], dtype=torch.float32)
     rewards = shape_rewards(samples, scores, rollout=rollout, algorithm=algorithm)
     # Valid = enters the group statistics of the advantages (see AdvantageInputs.valid): scored and with a
@@ -180,11 +276,22 @@ def run_step(
     t_train = time.perf_counter() - t1
 
     t2 = time.perf_counter()
+    if producer is not None:
+        producer.prompts.mark_trained(taken)
+        if drain:
+            producer.drain()
+    t_drain = time.perf_counter() - t2
     version = c.publisher.publish()
-    t_sync = time.perf_counter() - t2
+    t_sync = time.perf_counter() - t2 - t_drain
+    push_metrics = getattr(c.publisher, "metrics", dict)()  # not part of WeightPublisher: optional
+    if producer is not None:
+        producer.step_done(step + 1)
 
     metrics = rollout_metrics(samples, scores[torch.tensor(scored)])
     metrics.update(filter_metrics)
+    metrics.update(push_metrics)
+    metrics.update(failure_counts(samples))
+    metrics.update(outcome_counts(samples))
     metrics["groups/no_signal_ratio"] = no_signal_ratio(rewards, inputs.group_index, valid_t)
     if metrics["groups/no_signal_ratio"] == 1.0:
         warn_once(logger, NO_SIGNAL_WARNING, step + 1, int(inputs.group_index.unique().numel()), metrics["reward/mean"])
@@ -199,7 +306,10 @@ def run_step(
             "time/rollout": t_rollout,
             "time/train": t_train,
             "time/sync": t_sync,
+            "staleness/mean": statistics.fmean(staleness) if staleness else 0.0,
+            "staleness/max": float(max(staleness, default=0)),
             "time/step": time.perf_counter() - t0,
+            **({"time/drain": t_drain} if drain else {}),
             "throughput/rollout_tokens_per_s": num_response_tokens / max(t_rollout, 1e-9),
             "throughput/train_tokens_per_s": num_tokens / max(t_train, 1e-9),
         }
@@ -226,6 +336,7 @@ def collect_samples(
     num_rounds = dynamic.max_rounds if dynamic is not None else 1
     kept: list[list[Sample]] = []
     num_failed = num_filtered = 0
+    reasons: dict[str, float] = {}
     for round_index in range(num_rounds):
         missing = rollout.rollout_batch_size - len(kept)
         num_prompts = missing if round_index == 0 else math.ceil(missing * dynamic.over_sample)
@@ -243,14 +354,18 @@ def collect_samples(
             )
         )
         samples = [s for group in groups for s in group]
-        num_failed += score_samples(samples, c.reward_fn)
+        num_failed += c.score(samples)
         if dynamic is None:
             return samples, num_failed, {}
         for group in groups:
-            if len(kept) < rollout.rollout_batch_size and group_filter(group):
+            keep, reason = _keep(group_filter(group))
+            if len(kept) < rollout.rollout_batch_size and keep:
                 kept.append(group)
             else:
                 num_filtered += 1
+                if not keep and reason:
+                    key = f"dynamic_sampling/filtered/{reason}"
+                    reasons[key] = reasons.get(key, 0.0) + 1.0
         if len(kept) == rollout.rollout_batch_size:
             samples = [s for group in kept for s in group]
             for i, sample in enumerate(samples):
@@ -258,6 +373,7 @@ def collect_samples(
             metrics = {
                 "dynamic_sampling/rounds": float(round_index + 1),
                 "dynamic_sampling/filtered_groups": num_filtered,
+                **reasons,
             }
             return samples, num_failed, metrics
     logger.warning("step %d: dynamic sampling kept %d groups, filtered %d", step, len(kept), num_filtered)
@@ -268,6 +384,40 @@ def collect_samples(
         "--algorithm.dynamic-sampling.max-rounds or --algorithm.dynamic-sampling.over-sample, raise "
         "--rollout.n-samples-per-prompt, or pick a task of fitting difficulty."
     )
+
+
+def _keep(result: bool | tuple[bool, str]) -> tuple[bool, str]:
+    """(keep, reason) of a dynamic-sampling filter's answer (a bool, or a (bool, reason) pair).
+
+    Raises: TypeError naming the key for anything else."""
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], str):
+        return bool(result[0]), result[1]
+    if isinstance(result, bool):
+        return result, ""
+    raise TypeError(
+        f"algorithm.dynamic_sampling.filter_path returned {result!r}; expected a bool or (bool, reason: str)"
+    )
+
+
+def _buffer_filter(samples: list[Sample], path: str, metrics: dict[str, float]) -> tuple[list[Sample], int]:
+    """The samples of the groups ``algorithm.buffer_filter_path`` keeps, renumbered 0..; (samples, failed count).
+    Adds ``buffer/filtered_groups`` to ``metrics``.
+
+    Raises: ValueError naming the key when it returns no group or a group it was not given."""
+    buffer_filter = load_plugin(path, key="algorithm.buffer_filter_path")
+    given = group_samples(samples)
+    kept = buffer_filter(given)
+    known = {id(g) for g in given}
+    if not kept or any(id(g) not in known for g in kept):
+        raise ValueError(
+            f"algorithm.buffer_filter_path {path!r} returned {len(kept or [])} groups: it must return a non-empty "
+            "subset of the groups it was given (the same list objects)"
+        )
+    samples = [s for group in kept for s in group]
+    for i, sample in enumerate(samples):
+        sample.index = i
+    metrics["buffer/filtered_groups"] = float(len(given) - len(kept))
+    return samples, sum(s.status == SampleStatus.FAILED for s in samples)
 
 
 def _keeps_signal(group: Sequence[Sample]) -> bool:
@@ -353,38 +503,22 @@ def no_signal_ratio(rewards: torch.Tensor, group_index: torch.Tensor, valid: tor
 
 
 def rollout_metrics(samples: Sequence[Sample], valid_rewards: torch.Tensor) -> dict[str, float]:
-    """reward/mean, reward/std, response_length/mean, truncated_ratio over one rollout."""
+    """reward/mean, reward/std, response_length/mean, truncated_ratio over one rollout; with samples tagged
+    ``metadata["dataset"]`` (``data.mixture``) also reward/mean/<dataset> over each dataset's scored samples.
+
+    ``valid_rewards`` holds one reward per scored sample (not FAILED or ABORTED), in sample order.
+    """
     lengths = [s.response_length for s in samples]
-    return {
+    metrics = {
         "reward/mean": float(valid_rewards.mean()),
         "reward/std": float(valid_rewards.std(unbiased=False)),
         "response_length/mean": statistics.fmean(lengths),
         "truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
     }
-
-
-def evaluate(c: Components, evaluation: EvalConfig) -> dict[str, float]:
-    """Generate on the fixed eval prompts with the eval sampling settings; mean reward as ``eval/reward``."""
-    t0 = time.perf_counter()
-    prompts = list(c.eval_prompts)[: evaluation.num_prompts]
-    bar = c.progress(len(prompts) * evaluation.n_samples_per_prompt) if c.progress is not None else None
-    progress = {"on_finished": bar.update} if bar is not None else {}  # rollout fns never given a bar may lack it
-    try:
-        samples = c.rollout_fn(
-            prompts,
-            n_samples_per_prompt=evaluation.n_samples_per_prompt,
-            sampling=evaluation.sampling,
-            seed=0,  # the same seed every time: evaluations differ only by the weights
-            **progress,
-        )
-    finally:
-        if bar is not None:
-            bar.close()
-    num_failed = score_samples(samples, c.reward_fn)
-    rewards = [s.reward for s in samples if s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED)]
-    return {
-        "eval/reward": statistics.fmean(rewards) if rewards else float("nan"),
-        "eval/response_length": statistics.fmean(s.response_length for s in samples),
-        "eval/failed": float(num_failed),
-        "time/eval": time.perf_counter() - t0,
-    }
+    scored = [s for s in samples if s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED)]
+    by_dataset: dict[str, list[float]] = {}
+    for sample, reward in zip(scored, valid_rewards.tolist(), strict=True):
+        if "dataset" in sample.metadata:
+            by_dataset.setdefault(sample.metadata["dataset"], []).append(reward)
+    metrics.update({f"reward/mean/{name}": statistics.fmean(values) for name, values in sorted(by_dataset.items())})
+    return metrics

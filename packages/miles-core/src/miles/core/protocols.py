@@ -54,6 +54,8 @@ class GenerateOutput:
         weight_versions: the weight version of each generated segment, oldest first (one entry for a request that
             was never retracted; an entry repeats if weights did not change between two segments). Default
             ``[weight_version]``.
+        segment_lengths: response tokens of each segment, aligned with ``weight_versions`` (they sum to
+            ``len(response_tokens)``); None when the engine reports the versions only (server engines).
     """
 
     response_tokens: list[int]
@@ -63,6 +65,7 @@ class GenerateOutput:
     routed_experts: Any = field(default=None, repr=False)
     request_id: str = ""
     weight_versions: list[int] = field(default_factory=list)
+    segment_lengths: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.weight_versions:
@@ -72,6 +75,11 @@ class GenerateOutput:
 
 
 PauseMode = Literal["abort", "retract", "keep"]
+
+
+class RequestFailed(ValueError):
+    """One generate request failed on its own: the server rejected it, answered malformed or non-finite output, or
+    timed out after its retries. Only that request's sample fails (counted in samples/failed); the run goes on."""
 
 
 @runtime_checkable
@@ -100,7 +108,8 @@ class Engine(Protocol):
         ``on_finished``, for progress display only, is called once when the response has finished sampling (it
         may come before the output is returned, and from another thread); it changes nothing that is sampled.
         Callers pass it only when they show progress, so an engine that is never given one may leave it out.
-        Raises: ValueError for an empty prompt; whatever the engine raised while generating the request.
+        Raises: ValueError for an empty prompt; RequestFailed when this request alone failed (server engines);
+            whatever the engine raised while generating the request.
         """
         ...
 
@@ -209,6 +218,105 @@ class RewardFn(Protocol):
     """Scores one completed sample; returns a finite float (or raises, which marks the sample failed)."""
 
     def __call__(self, sample: Sample) -> float: ...
+
+
+class GroupRewardFn(Protocol):
+    """``reward.group_path``: the rewards of one prompt's group, from the group as a whole (rank-based, pairwise
+    preference, a diversity bonus, a reward model that compares answers).
+
+    Called after every sample's own reward (``RewardFn``) is set, with the group's samples that are not FAILED or
+    ABORTED, in sample order; returns one finite float per sample given, which replaces ``sample.reward``.
+    Raising, or returning the wrong number of values or a non-finite one, fails those samples
+    (``metadata["failure_kind"]`` "reward_error").
+    """
+
+    def __call__(self, group: list[Sample]) -> list[float]: ...
+
+
+class SampleHook(Protocol):
+    """``rollout.sample_hook_path``: called on every generated sample (not FAILED/ABORTED) before its reward, in the
+    trainer process; may edit ``metadata`` (parse a tool trace, tag the answer) or set ``status`` FAILED with
+    ``metadata["failure"]``. Raising fails the sample with the error as its reason."""
+
+    def __call__(self, sample: Sample) -> None: ...
+
+
+class GroupFilter(Protocol):
+    """``algorithm.dynamic_sampling.filter_path``: keep (True) or drop (False) one scored group; may return
+    ``(keep, reason)``, and dropped groups are then counted per reason (``dynamic_sampling/filtered/<reason>``)."""
+
+    def __call__(self, group: list[Sample]) -> bool | tuple[bool, str]: ...
+
+
+class BufferFilter(Protocol):
+    """``algorithm.buffer_filter_path``: which of a step's scored groups to train on (after dynamic sampling,
+    before advantages; every loop mode). Returns a non-empty subset of ``groups`` (the group objects given); the
+    rest are counted in ``buffer/filtered_groups``."""
+
+    def __call__(self, groups: list[list[Sample]]) -> list[list[Sample]]: ...
+
+
+@dataclass(frozen=True)
+class DataContext:
+    """What a ``data.source_path`` factory builds from.
+
+    Attributes:
+        data: the ``data`` section (``miles.rollout.config.DataConfig``: ``task_kwargs``, ``seed``, ...).
+        split: "train" (the training prompts) or "eval" (held-out prompts, asked for when ``eval.num_prompts`` > 0).
+        seed: ``data.seed`` for "train", ``data.eval_seed`` for "eval".
+    """
+
+    data: Any
+    split: Literal["train", "eval"]
+    seed: int
+
+
+class DataSourceFactory(Protocol):
+    """``data.source_path``: builds the ``DataSource`` of one split."""
+
+    def __call__(self, context: DataContext) -> DataSource: ...
+
+
+class EvalFn(Protocol):
+    """``eval.path``: one evaluation between steps (and before the first, after the last), on the weights just
+    published. Gets the loop's ``Components`` (``rollout_fn``, ``reward_fn``, ``eval_prompts``, ``publisher``) and
+    the ``eval`` section; returns flat metrics (``eval/...`` names by convention) merged into the step's record.
+    ``miles.core.evaluation.evaluate`` is the built-in one."""
+
+    def __call__(self, components: Any, evaluation: Any) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a ``run.hooks`` / ``run.sinks`` factory builds from.
+
+    Attributes:
+        run_dir: the run directory (exists; write your files here).
+        config: the resolved config as plain JSON (``MilesConfig.model_dump(mode="json")``).
+        start_step: the step the run starts from (> 0 when resumed).
+    """
+
+    run_dir: Path
+    config: dict[str, Any]
+    start_step: int = 0
+
+
+class TrainHooks(Protocol):
+    """``run.hooks``: callbacks of the training loop. Each method is optional (only those the object has are
+    called), runs in the trainer process, and must not change what is trained.
+
+    - ``on_rollout_end(step, samples)``: a step's samples, scored and filtered, before advantages (``step`` counts
+      from 0).
+    - ``on_train_step_end(step, metrics)``: after a step's record is complete (``step`` = steps done, as the
+      metrics sinks see it).
+    - ``on_save(step, path)``: after a checkpoint of ``step`` completed steps was written to ``path``.
+    """
+
+    def on_rollout_end(self, step: int, samples: list[Sample]) -> None: ...
+
+    def on_train_step_end(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_save(self, step: int, path: Path) -> None: ...
 
 
 class TrainBackend(Protocol):

@@ -7,7 +7,7 @@ set explicitly to a value other than its default. A field left at its default do
 dump of a config (a run's ``config.yaml``, ``miles config show``) lists every field, so such a dump validates again.
 
 Validation is pure: no file is read and no plugin imported. ``load_algorithm_plugins`` imports the ``module:attr``
-plugins and checks their signatures; the run builder (``miles.recipes.run``) and ``train_sync`` call it before
+plugins and checks their signatures; the run builder (``miles.recipes.run``) and ``train`` call it before
 anything is allocated.
 """
 
@@ -42,9 +42,14 @@ class _Section(BaseModel):
 
 
 def changed_fields(section: BaseModel, names: Iterable[str]) -> list[str]:
-    """The fields among ``names`` set explicitly (``model_fields_set``) to a value other than their default."""
+    """The fields among ``names`` set explicitly (``model_fields_set``) to a value other than their default (a
+    ``default_factory``'s value for fields that have one)."""
     fields = type(section).model_fields
-    return [n for n in names if n in section.model_fields_set and getattr(section, n) != fields[n].default]
+    return [
+        n
+        for n in names
+        if n in section.model_fields_set and getattr(section, n) != fields[n].get_default(call_default_factory=True)
+    ]
 
 
 def _flag(key: str) -> str:
@@ -158,7 +163,8 @@ class LossConfig(_Section):
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
         description="Per-token loss -> scalar. token_mean: DAPO; seq_mean_token_mean: GRPO paper, GSPO; "
-        "seq_mean_token_sum_norm: Dr.GRPO (divides by rollout.sampling.max_new_tokens).",
+        "seq_mean_token_sum_norm: Dr.GRPO (divides by the longest response: rollout.sampling.max_new_tokens, "
+        "rollout.multi_turn.max_response_tokens with rollout.mode multi_turn).",
     )
     entropy_coef: float = Field(
         0.0, ge=0.0, description="Entropy bonus weight (loss -= coef * entropy); 0 = entropy is only a metric."
@@ -352,6 +358,12 @@ class AlgorithmConfig(_Section):
         description="module:attr of fn(samples, rewards [B] float32) -> rewards [B] float32, applied after "
         "scoring and overlong shaping, before advantages. Empty = none.",
     )
+    buffer_filter_path: str = Field(
+        "",
+        description="module:attr of fn(groups: list[list[Sample]]) -> list[list[Sample]] choosing which of a step's "
+        "scored groups to train on (after dynamic sampling, before advantages; every loop mode); the dropped ones "
+        "count in buffer/filtered_groups. Empty = train on all.",
+    )
 
 
 # Plugin keys and the positional arguments their callables must accept.
@@ -360,7 +372,8 @@ PLUGIN_ARITY = {
     "algorithm.loss.policy_loss_path": 5,  # (log_probs, old_log_probs, advantages, loss_mask, params) -> (loss, clip)
     "algorithm.loss.reducer_path": 4,  # (token_loss, loss_mask, num_tokens, num_sequences) -> scalar
     "algorithm.reward_post_process_path": 2,  # (samples, rewards [B] float32) -> rewards [B] float32
-    "algorithm.dynamic_sampling.filter_path": 1,  # (group: list[Sample]) -> bool keep
+    "algorithm.dynamic_sampling.filter_path": 1,  # (group: list[Sample]) -> bool keep | (keep, reason)
+    "algorithm.buffer_filter_path": 1,  # (groups: list[list[Sample]]) -> the groups to train on
 }
 
 
@@ -373,6 +386,7 @@ def plugin_paths(algorithm: AlgorithmConfig) -> dict[str, str]:
         "algorithm.loss.reducer_path": algorithm.loss.reducer_path,
         "algorithm.reward_post_process_path": algorithm.reward_post_process_path,
         "algorithm.dynamic_sampling.filter_path": ds.filter_path if ds is not None else "",
+        "algorithm.buffer_filter_path": algorithm.buffer_filter_path,
     }
     return {key: path for key, path in paths.items() if path}
 

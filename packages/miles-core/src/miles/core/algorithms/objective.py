@@ -83,7 +83,8 @@ class PolicyObjective:
 
     Args:
         algorithm: the algorithm section (loss, clip, KL, entropy, aggregation, rollout corrections).
-        max_new_tokens: normalizer of ``seq_mean_token_sum_norm`` (Dr.GRPO), ``rollout.sampling.max_new_tokens``.
+        max_new_tokens: normalizer of ``seq_mean_token_sum_norm`` (Dr.GRPO): the longest response,
+            ``RolloutConfig.max_response_tokens`` (``rollout.multi_turn.max_response_tokens`` with multi_turn).
         critic: the ``models.critic`` section, required by an estimator that trains a critic (gae) and refused
             otherwise; None = no critic.
     Raises: ImportError/AttributeError/TypeError naming the key for an unloadable plugin; ValueError when
