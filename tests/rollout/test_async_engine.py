@@ -3,10 +3,10 @@
 
 import asyncio
 import math
-import threading
 
 import pytest
 import torch
+from doubles import hold_sampling_step
 from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateOutput, GenerateRequest
 from miles.core.rewards import score_samples
@@ -31,7 +31,7 @@ def test_a_requests_output_is_the_same_alone_batched_with_others_and_in_another_
     batched = engine.generate_batch(reqs)
     alone = [engine.generate_batch([r])[0] for r in reqs]
     reversed_order = engine.generate_batch(reqs[::-1])[::-1]
-    assert list(engine.batch_sizes) == [6, 1, 1, 1, 1, 1, 1, 6]
+    assert list(engine.batch_sizes) == [6, 1, 1, 1, 1, 1, 1, 6]  # requests started together
     for b, a, r in zip(batched, alone, reversed_order):
         assert b.response_tokens == a.response_tokens == r.response_tokens
         assert b.log_probs == pytest.approx(a.log_probs, abs=1e-5)
@@ -47,13 +47,16 @@ def test_the_first_token_is_drawn_with_a_generator_seeded_by_the_request(engine,
     outputs = engine.generate_batch([GenerateRequest([1, 5, 6], sampling, seed=s) for s in range(8)])
     probs = torch.softmax(model(input_ids=torch.tensor([[1, 5, 6]])).logits[0, -1] / 0.8, -1)
     for seed, out in enumerate(outputs):
-        expected = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
+        # Inverse transform sampling: the first token whose cumulative probability exceeds u (float64 draw).
+        u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        expected = int((probs.double().cumsum(0) <= u * probs.double().sum()).sum())
         assert out.response_tokens == [expected]  # HF's greedy step kept exactly the row sampler's draw
         assert out.log_probs[0] == pytest.approx(math.log(probs[expected]), abs=1e-5)
 
 
-def test_concurrent_generate_calls_are_batched_by_sampling_settings_up_to_max_batch_size(tiny_llama_dir):
-    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], max_batch_size=4)
+def test_generate_batches_concurrent_calls_by_sampling_settings_up_to_max_batch_size(tiny_llama_dir):
+    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], max_batch_size=4, continuous=False)
+    assert not engine.continuous
     cold = SamplingConfig(temperature=0.5, max_new_tokens=3)
     reqs = requests(10, SamplingConfig(max_new_tokens=3)) + requests(2, cold)
 
@@ -64,6 +67,40 @@ def test_concurrent_generate_calls_are_batched_by_sampling_settings_up_to_max_ba
     # 10 requests of one setting in batches of 4, 4, 2; the 2 of the other setting in their own batch.
     assert sorted(engine.batch_sizes) == [2, 2, 4, 4]
     assert [o.request_id for o in outputs] == [r.request_id for r in reqs]
+
+
+def test_continuous_batching_admits_queued_requests_as_running_ones_finish(tiny_llama_dir):
+    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], max_batch_size=4)
+    assert engine.continuous
+    short, long = SamplingConfig(max_new_tokens=2), SamplingConfig(max_new_tokens=12)
+    cold = SamplingConfig(temperature=0.5, max_new_tokens=12)
+    # 2 short + 2 long fill the 4 slots; as the short ones end after 2 tokens, the queued 2 (another temperature:
+    # settings share a step) join while the long ones still run.
+    reqs = requests(2, short) + requests(2, long) + requests(2, cold)
+    outputs = engine.generate_batch(reqs)
+    sizes = list(engine.decode_batch_sizes)
+    assert list(engine.batch_sizes)[0] == 4 and sum(engine.batch_sizes) == 6
+    assert max(sizes) == 4  # never more rows than slots, and full again after the short ones left
+    assert sizes.index(4, 1) > 0 and len(sizes) < 2 + 12 + 12  # the queued ones overlapped the long ones
+    assert [o.request_id for o in outputs] == [r.request_id for r in reqs]
+    # A request's output does not depend on what it was batched with, nor on when it joined.
+    alone = [EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2]).generate_batch([r])[0] for r in reqs]
+    for batched, single in zip(outputs, alone):
+        assert batched.response_tokens == single.response_tokens
+        assert batched.log_probs == pytest.approx(single.log_probs, abs=1e-5)
+
+
+def test_the_n_samples_of_a_prompt_share_one_prefill(tiny_llama_dir):
+    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], logprob_mode="decode")
+    prefills = []
+    engine.model.lm_head.register_forward_pre_hook(lambda module, args: prefills.append(args[0].shape))
+    sampling = SamplingConfig(max_new_tokens=1)
+    reqs = [GenerateRequest([1, 5, 6], sampling, seed=s) for s in range(6)] + [
+        GenerateRequest([1, 7], sampling, seed=0)
+    ]
+    outputs = engine.generate_batch(reqs)
+    assert len(prefills) == 2  # one prefill per distinct prompt
+    assert len({o.response_tokens[0] for o in outputs[:6]}) > 1  # forked caches, each row its own draws
 
 
 def test_a_rollout_does_not_depend_on_the_engines_batch_size(tiny_llama_dir):
@@ -77,30 +114,12 @@ def test_a_rollout_does_not_depend_on_the_engines_batch_size(tiny_llama_dir):
     assert [s.index for s in samples[64]] == list(range(12))
 
 
-def block_third_forward(engine, until):
-    """Hold the engine's 3rd model forward (prefill, then 2 decode steps) until ``until()``; returns an Event set
-    once it is held: the batch has sampled 2 tokens and will sample a 3rd before it can stop."""
-    held = threading.Event()
-    calls = []
-
-    def hook(module, args, kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            held.set()
-            for _ in range(3000):
-                if until():
-                    return
-                threading.Event().wait(0.01)
-
-    engine.model.register_forward_pre_hook(hook, with_kwargs=True)
-    return held
-
-
 def test_pause_abort_ends_running_and_queued_requests_with_their_partial_outputs(tiny_llama_dir):
     # Stop id 30: not among the first 3 tokens these seeds sample, so both running requests are cut off.
     engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[30], max_batch_size=2)
-    held = block_third_forward(engine, until=engine._interrupt.is_set)  # released once pause has interrupted
-    reqs = requests(3)  # 2 run, 1 waits in the queue
+    # Released once pause has interrupted; 2 run (2 prompts prefilled), 1 waits in the queue.
+    held, _ = hold_sampling_step(engine, 3, until=engine._interrupt.is_set, num_prompts=2)
+    reqs = requests(3)
 
     async def run():
         tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
@@ -146,6 +165,22 @@ def test_aborted_samples_are_aborted_not_failed_and_keep_their_partial_response(
     assert [s.reward for s in samples] == [None, None, 1.0]  # and not scored
 
 
+@pytest.mark.parametrize("mask", [False, True])
+def test_a_partial_rollout_trains_its_older_segments_only_when_asked(mask):
+    class ContinuedEngine:  # one request, continued after an update: 3 tokens on v1, then 2 on v2
+        async def generate(self, request):
+            return GenerateOutput([5, 6, 7, 8, 2], [-0.5] * 5, "stop", weight_versions=[1, 2], segment_lengths=[3, 2])
+
+    prompt = Sample(index=0, group_index=0, prompt=[1, 4, 9])
+    (sample,) = asyncio.run(
+        generate_group(ContinuedEngine(), None, prompt, n=1, sampling=SamplingConfig(), seeds=[0],
+                       mask_stale_segments=mask)
+    )  # fmt: skip
+    assert len(sample.tokens) == 3 + 5 and sample.response_length == len(sample.rollout_log_probs) == 5
+    assert sample.weight_versions == [1, 2] and sample.status == SampleStatus.COMPLETED
+    assert sample.loss_mask == ([0, 0, 0, 1, 1] if mask else None)
+
+
 @pytest.mark.parametrize("new_weights", [pytest.param(False, id="same_weights"), pytest.param(True, id="updated")])
 def test_pause_retract_continues_after_resume_with_one_segment_per_weight_version(tiny_llama_dir, new_weights):
     from miles.sync import InProcessTransport, WeightSender
@@ -154,7 +189,7 @@ def test_pause_retract_continues_after_resume_with_one_segment_per_weight_versio
     reqs = [GenerateRequest([1, 4], sampling, seed=3), GenerateRequest([1, 9], sampling, seed=4)]
     uninterrupted = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[31]).generate_batch(reqs)
     engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[31])
-    held = block_third_forward(engine, until=engine._interrupt.is_set)
+    held, _ = hold_sampling_step(engine, 3, until=engine._interrupt.is_set, num_prompts=2)
 
     async def run():
         tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
@@ -175,6 +210,7 @@ def test_pause_retract_continues_after_resume_with_one_segment_per_weight_versio
         assert out.log_probs[:3] == pytest.approx(part.log_probs, abs=1e-6)
         assert len(out.response_tokens) == len(out.log_probs) > 3
         assert out.finish_reason == "stop" or len(out.response_tokens) == 8  # the 8-token budget spans both segments
+        assert out.segment_lengths == [3, len(out.response_tokens) - 3]  # where the weights changed
         if new_weights:
             assert out.weight_versions == [0, 1] and out.weight_version == 1
             assert out.log_probs[3:] == pytest.approx([-math.log(32)] * (len(out.log_probs) - 3), abs=1e-5)  # v1
@@ -185,7 +221,7 @@ def test_pause_retract_continues_after_resume_with_one_segment_per_weight_versio
 
 
 def test_pause_keep_lets_the_running_batch_finish_and_holds_new_requests_until_resume(engine):
-    held = block_third_forward(engine, until=lambda: engine._paused)
+    held, _ = hold_sampling_step(engine, 3, until=lambda: engine._paused, num_prompts=2)
     reqs = requests(2, SamplingConfig(max_new_tokens=6))
 
     async def run():
@@ -203,3 +239,21 @@ def test_pause_keep_lets_the_running_batch_finish_and_holds_new_requests_until_r
     assert all(o.finish_reason in ("stop", "length") for o in outputs)
     assert all(len(o.response_tokens) == 6 for o in outputs if o.finish_reason == "length")
     assert late.finish_reason in ("stop", "length") and list(engine.batch_sizes) == [2, 1]
+
+
+def test_sample_rows_draws_each_row_by_inverse_transform_with_its_own_generator():
+    from miles.rollout.engines.embedded import sample_rows
+
+    logits = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.25, 0.25, 0.25, 0.25]]))  # token 1 excluded in row 0
+    # Seeds whose first float64 draws are known: row 0 at u, row 1 at v.
+    u = float(torch.rand((), generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    v = float(torch.rand((), generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+    tokens = sample_rows(logits, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]).tolist()
+    cumulative0 = [0.1, 0.1, 0.7, 1.0]
+    assert tokens[0] == next(i for i, c in enumerate(cumulative0) if c > u) and tokens[0] != 1
+    assert tokens[1] == int(v // 0.25)
+    # Frequencies follow the probabilities, and an excluded token is never drawn.
+    g = torch.Generator().manual_seed(0)
+    draws = torch.cat([sample_rows(logits[:1], [g]) for _ in range(4000)])
+    counts = torch.bincount(draws, minlength=4) / 4000
+    assert counts[1] == 0 and counts.tolist() == pytest.approx([0.1, 0.0, 0.6, 0.3], abs=0.03)

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 from miles.rollout.data import FileSource, ReasoningGymSource
 
@@ -54,3 +56,30 @@ def test_file_source_names_a_missing_column(gsm8k_test_file):
 def test_file_source_names_a_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.path"):
         FileSource(tmp_path / "missing.jsonl")
+
+
+def test_file_source_reads_a_saved_hf_dataset_directory_with_the_same_rows_as_its_jsonl(tmp_path):
+    import datasets
+
+    rows = [{"q": f"What is {i} + {i}?", "a": str(2 * i), "extra": i} for i in range(5)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    from_jsonl = FileSource(tmp_path / "rows.jsonl", prompt_key="q", label_key="a", seed=3)
+    from_disk = FileSource(tmp_path / "saved", prompt_key="q", label_key="a", seed=3)
+    assert from_disk.size == 5
+    assert [(p.prompt, p.label) for p in from_disk.next_prompts(5)] == [
+        (p.prompt, p.label) for p in from_jsonl.next_prompts(5)
+    ]
+
+
+def test_a_saved_dataset_dict_names_its_splits_and_a_plain_directory_is_refused(tmp_path):
+    import datasets
+
+    split = datasets.Dataset.from_list([{"question": "1 + 1?", "answer": "2"}])
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"is a DatasetDict with splits \['test', 'train'\]; point at one split"):
+        FileSource(tmp_path / "dd", seed=0)
+    assert FileSource(tmp_path / "dd" / "test", seed=0).size == 1
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="is a directory but no HF dataset"):
+        FileSource(tmp_path / "empty", seed=0)

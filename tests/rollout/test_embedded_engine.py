@@ -42,7 +42,9 @@ def test_engine_log_probs_equal_trainer_log_probs_on_the_same_tokens(
     )
     trainer = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
     diff = ((trainer - batch.rollout_log_probs).abs() * batch.loss_mask).max()
-    assert diff < 1e-5, f"max |engine - trainer| log-prob = {diff}"
+    # The engine rescores each response alone (unpadded: its numbers do not depend on which rows finished together),
+    # the trainer in padded micro-batches of 4; fp32 GEMMs of those shapes put them 1.3e-5 to 1.6e-5 apart here.
+    assert diff < 3e-5, f"max |engine - trainer| log-prob = {diff}"
     assert batch.loss_mask.sum() > 20  # the comparison covered real tokens
 
 
@@ -125,7 +127,7 @@ def test_stop_counter_reports_each_sequence_once_when_it_samples_a_stop_token_an
 
 
 def test_on_finished_reports_each_request_while_decoding_and_changes_no_sample(tiny_llama_dir):
-    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], max_batch_size=8)
+    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], max_batch_size=8, continuous=False)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
     requests = [GenerateRequest([1, 3 + i % 5], sampling, seed=11 + i) for i in range(12)]  # two batches: 8 + 4
     finished = []

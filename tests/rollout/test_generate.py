@@ -123,3 +123,59 @@ def test_generate_group_needs_one_seed_per_sample():
     with pytest.raises(ValueError, match="2 seeds for n=3"):
         asyncio.run(generate_group(SeedEchoEngine(), None, Sample(index=0, group_index=0, prompt=[1]), n=3,
                                    sampling=SamplingConfig(), seeds=[0, 1]))  # fmt: skip
+
+
+class AbortingEngine:
+    """Aborts the first ``aborts`` requests of each seed with a partial response, then answers [seed, 2]; a seed of
+    13 fails on its own (``RequestFailed``). Reports every request as finished, aborted ones included."""
+
+    weight_version = 0
+
+    def __init__(self, aborts):
+        self.aborts = aborts
+        self.requests = []
+
+    async def generate(self, request, *, on_finished=None):
+        from miles.core.protocols import RequestFailed
+
+        self.requests.append(request.seed)
+        if request.seed == 13:
+            raise RequestFailed("server rejected the request: bad sampling params")
+        on_finished()
+        if self.requests.count(request.seed) <= self.aborts:
+            return GenerateOutput([9], [-0.5], "abort")
+        return GenerateOutput([request.seed, 2], [-1.0, -1.0], "stop")
+
+
+@pytest.mark.parametrize("aborts, status", [(1, "completed"), (2, "completed"), (3, "aborted")])
+def test_responses_cut_off_by_a_pause_are_requested_again_from_the_start_up_to_the_bound(aborts, status):
+    from miles.rollout.generate import generate_group
+
+    engine = AbortingEngine(aborts)
+    calls = []
+    prompt = Sample(index=0, group_index=4, prompt=[1, 7])
+    samples = asyncio.run(
+        generate_group(engine, None, prompt, n=2, sampling=SamplingConfig(), seeds=[5, 6], max_resubmits=2,
+                       on_finished=calls.append)
+    )  # fmt: skip
+    assert [s.status.value for s in samples] == [status, status]
+    assert sorted(engine.requests) == sorted([5, 6] * min(aborts + 1, 3))  # the same seed each time
+    assert calls == [1, 1]  # each sample counted once however often it was sent
+    if status == "completed":
+        assert [s.response_tokens for s in samples] == [[5, 2], [6, 2]]
+        assert [s.metadata["resubmits"] for s in samples] == [aborts, aborts]
+    else:  # the bound is used up: the partial response is kept, not trained
+        assert [s.response_tokens for s in samples] == [[9], [9]]
+
+
+def test_a_request_that_fails_on_its_own_fails_only_its_sample():
+    from miles.rollout.generate import generate_group
+
+    calls = []
+    samples = asyncio.run(
+        generate_group(AbortingEngine(0), None, Sample(index=0, group_index=0, prompt=[1, 7]), n=2,
+                       sampling=SamplingConfig(), seeds=[13, 6], on_finished=calls.append)
+    )  # fmt: skip
+    assert [s.status.value for s in samples] == ["failed", "completed"]
+    assert "bad sampling params" in samples[0].metadata["failure"] and samples[0].response_length == 0
+    assert samples[1].response_tokens == [6, 2] and sorted(calls) == [1, 1]

@@ -11,7 +11,7 @@ from typing import Any
 
 from miles.core.buffer import collect_groups
 from miles.core.config import SamplingConfig
-from miles.core.protocols import Engine, GenerateOutput, GenerateRequest
+from miles.core.protocols import Engine, GenerateOutput, GenerateRequest, RequestFailed
 from miles.core.sample import Sample, SampleStatus
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ async def generate_group(
     sampling: SamplingConfig,
     seeds: Sequence[int],
     max_prompt_tokens: int = 2048,
+    max_resubmits: int = 0,
+    mask_stale_segments: bool = False,
     on_finished: Callable[[int], None] | None = None,
 ) -> list[Sample]:
     """The default group-generate function (``GroupGenerateFn`` once engine and tokenizer are bound): renders the
@@ -72,11 +74,19 @@ async def generate_group(
         sampling: the engine's sampling settings.
         seeds: one sampling seed per sample.
         max_prompt_tokens: a longer prompt fails its samples (counted, not trained) instead of crashing.
-        on_finished: progress only: called with n at once when the prompt fails, else with 1 as each response
-            finishes (from the engine, which may call it from another thread).
+        max_resubmits: a response cut off by ``Engine.pause("abort")`` (a weight update) is requested again, from
+            the start with the same seed, up to this many times (``metadata["resubmits"]`` counts them); after
+            that it stays ABORTED. 0 = keep the partial response.
+        mask_stale_segments: a partial rollout (continued after a weight update, several ``weight_versions``) trains
+            only its newest segment: the tokens sampled by older weights get ``loss_mask`` 0 (slime's
+            mask-offpolicy-in-partial-rollout). Needs an engine that reports ``segment_lengths``; otherwise every
+            token is trained.
+        on_finished: progress only: called with n at once when the prompt fails, else with 1 once per sample as
+            its response finishes (from the engine, which may call it from another thread).
     Returns: n samples, index 0 .. n-1 (the producer renumbers them), status COMPLETED ("stop"), TRUNCATED
         ("length"), ABORTED ("abort": cut off by ``Engine.pause``; the partial response is kept, not trained) or
-        FAILED (bad prompt or engine output, reason in ``metadata["failure"]``, response dropped).
+        FAILED (bad prompt or engine output, or a ``RequestFailed`` request; reason in ``metadata["failure"]``,
+        response dropped).
     Raises: ValueError if ``len(seeds) != n``; what the engine raised.
     """
     if len(seeds) != n:
@@ -97,25 +107,49 @@ async def generate_group(
         if on_finished is not None:
             on_finished(n)
         return samples
-    # The callback goes to the engine only when given, so engines without progress support keep working.
-    progress = {"on_finished": lambda: on_finished(1)} if on_finished is not None else {}
-    outputs = await asyncio.gather(
-        *(engine.generate(GenerateRequest(prompt_tokens, sampling, seed=seed), **progress) for seed in seeds)
-    )
-    for sample, output in zip(samples, outputs):
+
+    async def generate_one(sample: Sample, seed: int) -> None:
+        counted = False
+
+        def progress() -> None:  # once per sample, even if it is resubmitted
+            nonlocal counted
+            if not counted:
+                counted = True
+                on_finished(1)
+
+        # The callback goes to the engine only when given, so engines without progress support keep working.
+        kwargs = {"on_finished": progress} if on_finished is not None else {}
         sample.tokens = list(prompt_tokens)
-        _apply_output(sample, output, tokenizer)
+        for attempt in range(max_resubmits + 1):
+            try:
+                output = await engine.generate(GenerateRequest(prompt_tokens, sampling, seed=seed), **kwargs)
+            except RequestFailed as err:
+                sample.status = SampleStatus.FAILED
+                sample.metadata["failure"] = str(err)
+                if on_finished is not None:
+                    progress()
+                return
+            if output.finish_reason != "abort" or attempt == max_resubmits:
+                break
+            sample.metadata["resubmits"] = attempt + 1
+        _apply_output(sample, output, tokenizer, mask_stale_segments=mask_stale_segments)
+
+    await asyncio.gather(*(generate_one(sample, seed) for sample, seed in zip(samples, seeds)))
     return samples
 
 
-def _apply_output(sample: Sample, output: GenerateOutput, tokenizer: Any) -> None:
-    """Append an engine output to a sample holding its prompt tokens; set status, versions and text."""
+def _apply_output(sample: Sample, output: GenerateOutput, tokenizer: Any, *, mask_stale_segments: bool = False) -> None:
+    """Append an engine output to a sample holding its prompt tokens; set status, versions, text and (with
+    ``mask_stale_segments`` and several segments) a loss mask that trains only the newest segment."""
     sample.tokens = sample.tokens + output.response_tokens
     sample.response_length = len(output.response_tokens)
     sample.rollout_log_probs = list(output.log_probs)
     sample.weight_versions = list(output.weight_versions)
     sample.weight_version = output.weight_version
     sample.rollout_routed_experts = output.routed_experts
+    segments = output.segment_lengths
+    if mask_stale_segments and segments is not None and len(segments) > 1:
+        sample.loss_mask = [0] * (len(output.response_tokens) - segments[-1]) + [1] * segments[-1]
     sample.status = FINISH_STATUS[output.finish_reason]
     sample.metadata["finish_reason"] = output.finish_reason
     aborted_before_sampling = output.finish_reason == "abort" and not output.response_tokens
@@ -123,6 +157,7 @@ def _apply_output(sample: Sample, output: GenerateOutput, tokenizer: Any) -> Non
     if failure is not None:  # counted in samples/failed, excluded from advantages and the loss
         # Drop the response so no NaN or misaligned log-prob reaches the batch (masked rows still hold it).
         sample.tokens, sample.response_length, sample.rollout_log_probs = sample.tokens[: sample.prompt_length], 0, []
+        sample.loss_mask = None
         sample.status = SampleStatus.FAILED
         sample.metadata["failure"] = failure
     elif tokenizer is not None and output.response_tokens:  # token-only rollouts (tokenizer=None) have no text
@@ -143,12 +178,24 @@ class ChatRollout:
         engine: any ``miles.core.Engine``.
         tokenizer: the policy's HF tokenizer (chat template); None if every prompt is given as token ids.
         max_prompt_tokens: longer prompts are marked FAILED (counted, not trained) instead of crashing.
+        max_resubmits: times a response cut off by ``pause("abort")`` is requested again (``generate_group``).
+        mask_stale_segments: train only the newest segment of a partial rollout (``generate_group``).
     """
 
-    def __init__(self, engine: Engine, tokenizer: Any, *, max_prompt_tokens: int = 2048) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        *,
+        max_prompt_tokens: int = 2048,
+        max_resubmits: int = 0,
+        mask_stale_segments: bool = False,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_resubmits = max_resubmits
+        self.mask_stale_segments = mask_stale_segments
 
     async def generate_group(
         self,
@@ -168,6 +215,8 @@ class ChatRollout:
             sampling=sampling,
             seeds=seeds,
             max_prompt_tokens=self.max_prompt_tokens,
+            max_resubmits=self.max_resubmits,
+            mask_stale_segments=self.mask_stale_segments,
             on_finished=on_finished,
         )
 

@@ -92,6 +92,27 @@ def read_parquet_rows(path: Path, *, prompt_key: str, label_key: str) -> tuple[l
     import datasets
 
     table = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    return _table_rows(table, path, prompt_key=prompt_key, label_key=label_key)
+
+
+def read_saved_dataset_rows(path: Path, *, prompt_key: str, label_key: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Good rows of an HF ``datasets`` directory written by ``Dataset.save_to_disk`` (``datasets.load_from_disk``)
+    and one ``dir:row N: reason`` per bad row.
+
+    Raises: ValueError naming the splits when ``path`` holds a ``DatasetDict`` (point at one split's directory).
+    """
+    import datasets
+
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise ValueError(
+            f"{str(path)!r} is a DatasetDict with splits {splits}; point at one split's directory, e.g. "
+            f"{str(path / (splits[0] if splits else 'train'))!r}"
+        )
+    return _table_rows(datasets.load_from_disk(str(path)), path, prompt_key=prompt_key, label_key=label_key)
+
+
+def _table_rows(table: Any, path: Path, *, prompt_key: str, label_key: str) -> tuple[list[dict[str, Any]], list[str]]:
     rows, problems = [], []
     for number, row in enumerate(table):
         problem = row_problem(row, prompt_key=prompt_key, label_key=label_key)
@@ -116,7 +137,8 @@ def load_rows(
     (``bad_rows="stop"``) or are left out with one warning (``"skip"``).
 
     Args:
-        path: the file (``.jsonl``, ``.json`` (JSON lines) or ``.parquet``).
+        path: the file (``.jsonl``, ``.json`` (JSON lines) or ``.parquet``), or a directory written by HF
+            ``datasets``' ``save_to_disk`` (one split).
         prompt_key, label_key: the columns of the question and the reference answer.
         bad_rows: "stop" or "skip", see above.
         key: the config key that named the file (quoted in errors), e.g. "data.eval_path".
@@ -126,11 +148,18 @@ def load_rows(
     """
     path = Path(path)
     flag = "--" + key.replace("_", "-")
-    if not path.is_file():
-        raise FileNotFoundError(f"{key} {str(path)!r} does not exist; point {flag} at a JSONL/Parquet file")
-    if path.suffix not in _SUFFIXES:
+    saved = path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+    if not (path.is_file() or saved):
+        what = "is a directory but no HF dataset (no state.json)" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(
+            f"{key} {str(path)!r} {what}; point {flag} at a JSONL/Parquet file or a `datasets` save_to_disk directory"
+        )
+    if not saved and path.suffix not in _SUFFIXES:
         raise ValueError(f"{key} {str(path)!r}: unsupported suffix {path.suffix!r}; use .jsonl or .parquet")
-    read = read_parquet_rows if path.suffix == ".parquet" else read_jsonl_rows
+    if saved:
+        read = read_saved_dataset_rows
+    else:
+        read = read_parquet_rows if path.suffix == ".parquet" else read_jsonl_rows
     rows, problems = read(path, prompt_key=prompt_key, label_key=label_key)
     listed = "; ".join(problems[:_NUM_LISTED]) + (
         f"; and {len(problems) - _NUM_LISTED} more" if len(problems) > _NUM_LISTED else ""

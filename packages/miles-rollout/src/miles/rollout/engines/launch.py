@@ -1,0 +1,510 @@
+"""Build the configured engine: the embedded one in this process, or server engines Miles starts (and stops).
+
+``launch_engine(cfg.engine, model_path, log_dir=...)`` returns the ``Engine``, the weight sink the training backend
+pushes into (``push(named_tensors, version=)``) and ``close``, which stops every process it started. For server
+engines it also returns a ``sink_factory``: a picklable description of the servers that builds their weight sink in
+another process (rank 0 of a Ray trainer), so the weights go from there to the servers, never through this one.
+With ``server_actors=True`` (Ray mode) SGLang-API servers run in Ray actors that Ray restarts, and
+``LaunchedEngine.supervise`` starts the health monitor that restarts, re-weights and re-registers a dead one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from miles.rollout.config import EmbeddedEngineConfig, HealthCheckConfig, SGLangEngineConfig, VLLMEngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedEngine:
+    """An engine ready to serve, its weight sink, and what stops it.
+
+    Attributes:
+        engine: the ``Engine`` (``EmbeddedEngine``, ``VLLMEngine``, ``SGLangEngine``).
+        weight_sink: receives the trainer's full weights as one version (``push(named_tensors, version=)``).
+        description: one line for the log: which engine, where.
+        closers: called in reverse order by ``close`` (servers, router).
+        processes: the server (and router) processes Miles started, whose logs ``move_logs`` moves.
+        sink_factory: server engines: a picklable zero-argument callable (``SGLangSinkFactory``,
+            ``VLLMSinkFactory``) that builds an equivalent weight sink in the process calling it, e.g. rank 0's
+            Ray trainer actor; None for the embedded engine, whose weights can only be pushed from this process.
+        server_actors: the ``ServerActorHandle`` of each server started in a Ray actor (``launch_engine(...,
+            server_actors=True)``), which ``supervise`` watches; empty otherwise.
+        router: the sglang-router Miles started (``SGLangRouter``), or None.
+        health_check: the supervisor's settings (``engine.health_check``) for ``server_actors``.
+        actor_logs: the log files of ``server_actors``, which every incarnation of an actor reopens by path.
+    """
+
+    engine: Any
+    weight_sink: Any
+    description: str
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    processes: list[Any] = field(default_factory=list)
+    sink_factory: Callable[[], Any] | None = None
+    server_actors: list[Any] = field(default_factory=list)
+    router: Any = None
+    health_check: HealthCheckConfig | None = None
+    actor_logs: list[Path] = field(default_factory=list)
+
+    def move_logs(self, directory: Path) -> None:
+        """Move the started processes' log files into ``directory`` (same file system: they keep writing).
+
+        A server actor's log is hard-linked there instead (a restarted incarnation appends to the path it was
+        given, which is the same file); ``close`` removes the first names last.
+        """
+        for process in self.processes:
+            if process.log_path.exists():
+                directory.mkdir(parents=True, exist_ok=True)
+                before = process.log_path.parent
+                process.log_path = process.log_path.rename(directory / process.log_path.name)
+                with contextlib.suppress(OSError):  # the directory they started in, once empty
+                    before.rmdir()
+        linked = [path for path in self.actor_logs if path.exists()]
+        for path in linked:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / path.name).unlink(missing_ok=True)  # a resumed run's: replaced, as a rename would
+            os.link(path, directory / path.name)
+        if linked:
+            self.closers.insert(0, lambda: _unlink_logs(linked))
+
+    def supervise(self, on_restarted: Callable[[str], None]) -> Any:
+        """Start an ``EngineSupervisor`` over ``server_actors`` (``health_check``, ``router``); ``close`` stops it
+        before the servers. Returns it (``publish_guard``, ``check``).
+
+        Args:
+            on_restarted: brings a restarted server (its URL) to the run's current weights; see ``EngineSupervisor``.
+        Raises: RuntimeError when no server runs in a Ray actor (``launch_engine(..., server_actors=True)``).
+        """
+        from miles.rollout.engines.supervisor import EngineSupervisor
+
+        if not self.server_actors:
+            raise RuntimeError(
+                "supervise: no engine server runs in a Ray actor; launch the engine with server_actors=True (Ray "
+                "mode, servers Miles starts)"
+            )
+        supervisor = EngineSupervisor(
+            self.server_actors, config=self.health_check, on_restarted=on_restarted, router=self.router
+        ).start()
+        self.closers.append(supervisor.stop)
+        return supervisor
+
+    def close(self) -> None:
+        """Stop what was started for this engine (idempotent)."""
+        while self.closers:
+            self.closers.pop()()
+
+
+def _unlink_logs(paths: list[Path]) -> None:
+    """Remove the first names of hard-linked logs, and their directory once it is empty."""
+    for path in paths:
+        path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        paths[0].parent.rmdir()
+
+
+def stop_token_ids(model_path: str | Path) -> list[int]:
+    """The model's eos ids (generation_config.json, else config.json), which end a response."""
+    from transformers import GenerationConfig
+
+    eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+@dataclass(frozen=True)
+class SGLangSinkFactory:
+    """Builds the ``SGLangWeightSink`` of SGLang-API servers (SGLang, ``miles serve``) where it is called.
+
+    Picklable (URLs and settings only), for rank 0's Ray trainer actor: the sink it builds there joins the
+    servers' weight group from that process (its address towards the first server is the group's rendezvous).
+
+    Attributes:
+        urls: the servers' base URLs (every one receives each update).
+        timeout_s: the sink's join / request / broadcast timeout.
+        disk_root: ``engine.weight_transfer`` disk: the shared directory of an ``SGLangDiskWeightSink``; "" = the
+            weight group's ``SGLangWeightSink``.
+        config_from: the HF model directory whose config each disk version gets.
+    """
+
+    urls: tuple[str, ...]
+    timeout_s: float = 300.0
+    disk_root: str = ""
+    config_from: str = ""
+
+    def __call__(self) -> Any:
+        from miles.rollout.engines.sglang import SGLangDiskWeightSink, SGLangEngine, SGLangWeightSink
+
+        client = SGLangEngine(self.urls)  # an HTTP client only: the sink reads its worker URLs
+        if self.disk_root:
+            return SGLangDiskWeightSink(
+                client, root=self.disk_root, config_from=self.config_from or None, timeout_s=self.timeout_s
+            )
+        return SGLangWeightSink(client, master_address=address_towards(self.urls[0]), timeout_s=self.timeout_s)
+
+    def only(self, url: str) -> SGLangSinkFactory:
+        """The factory of a sink for server ``url`` alone (one of ``urls``), e.g. a restarted one that left the
+        weight group. Raises: ValueError for a URL that is not one of ``urls``."""
+        if url not in self.urls:
+            raise ValueError(f"SGLangSinkFactory.only: {url} is not one of the servers {list(self.urls)}")
+        return dataclasses.replace(self, urls=(url,))
+
+
+@dataclass(frozen=True)
+class VLLMSinkFactory:
+    """Builds the ``VLLMWeightSink`` of vLLM servers where it is called (picklable, like ``SGLangSinkFactory``).
+
+    Its sink sets the versions on the servers; the driver's ``VLLMEngine`` reads them back on ``resume`` (see
+    ``launch_engine(remote_sink=True)``). The weight group's rendezvous is 127.0.0.1 (``VLLMWeightSink``): the
+    trainer's rank 0 must share the servers' node.
+
+    Attributes:
+        urls: the servers' base URLs.
+        model: the served model name (``VLLMEngine.model``).
+        dtype: the servers' dtype ("fp32" / "bf16"), for the checksums.
+        verify: compare the servers' weight checksums with the pushed tensors after each push.
+        timeout_s: the weight group's and each request's timeout.
+        delta: send delta updates (``engine.delta_weights``).
+        disk_root: ``engine.weight_transfer`` disk: the shared directory of a ``VLLMDiskWeightSink``; "" = the
+            weight group's ``VLLMWeightSink``.
+    """
+
+    urls: tuple[str, ...]
+    model: str
+    dtype: str = "fp32"
+    verify: bool = True
+    timeout_s: float = 600.0
+    delta: bool = False
+    disk_root: str = ""
+
+    def __call__(self) -> Any:
+        from miles.rollout.engines.vllm import VLLMEngine
+
+        client = VLLMEngine(self.urls, model=self.model, request_timeout_s=self.timeout_s)
+        return _vllm_sink(client, self)
+
+
+def _vllm_sink(engine: Any, factory: VLLMSinkFactory) -> Any:
+    """The weight sink ``factory`` describes, on ``engine`` (a ``VLLMEngine``)."""
+    if factory.disk_root:
+        from miles.rollout.engines.vllm_disk import VLLMDiskWeightSink
+
+        return VLLMDiskWeightSink(
+            engine,
+            root=factory.disk_root,
+            config_from=factory.model,
+            dtype=factory.dtype,
+            verify=factory.verify,
+            timeout_s=factory.timeout_s,
+        )
+    from miles.rollout.engines.vllm import VLLMWeightSink
+
+    return VLLMWeightSink(
+        engine, dtype=factory.dtype, verify=factory.verify, timeout_s=factory.timeout_s, delta=factory.delta
+    )
+
+
+def address_towards(url: str) -> str:
+    """This host's IP address on the route to ``url``'s host (127.0.0.1 for a loopback server): where a server
+    reaches a weight group this process opens. No packet is sent (a UDP socket only picks the route)."""
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((socket.gethostbyname(host), parts.port or 80))
+        return sock.getsockname()[0]
+
+
+def launch_engine(
+    cfg: Any,
+    model_path: str | Path,
+    *,
+    log_dir: str | Path,
+    seed: int = 0,
+    remote_sink: bool = False,
+    server_actors: bool = False,
+    weight_dir: str | Path | None = None,
+) -> LaunchedEngine:
+    """Start the engine ``cfg`` (the ``engine`` config section) describes, for the model at ``model_path``.
+
+    Args:
+        remote_sink: the weights are pushed from another process through ``LaunchedEngine.sink_factory`` (a Ray
+            trainer actor): a vLLM engine then reads its weight version from the servers on every ``resume``
+            (SGLang engines always do), since the sink that sets it is not this process's.
+        server_actors: execution.mode ray: the SGLang-API servers Miles starts each run in a Ray actor
+            (``ServerActor``, in the Ray session this process has), which Ray restarts; with ``engine.router``
+            the router starts first. ``LaunchedEngine.supervise`` then watches them. Servers named by
+            ``engine.urls`` and vLLM servers stay as they are (a warning says so for vLLM).
+        weight_dir: ``engine.weight_transfer`` disk without ``engine.weight_dir``: the directory the versions go
+            to, removed by ``close``.
+    Raises: ServerStartError (one message with the server's log tail and the fix) when a server does not start;
+        EngineRestartError (its actor's error) when a server actor does not start.
+    """
+    if isinstance(cfg, EmbeddedEngineConfig):
+        return _embedded(cfg, model_path)
+    disk_root = _disk_root(cfg, weight_dir, log_dir)
+    if isinstance(cfg, VLLMEngineConfig):
+        if server_actors and not cfg.urls:
+            logger.warning("vLLM servers run as processes of this one, not Ray actors: a dead one is not restarted")
+        launched = _vllm(cfg, model_path, Path(log_dir), seed, remote_sink=remote_sink, disk_root=disk_root)
+    elif isinstance(cfg, SGLangEngineConfig):
+        launched = _sglang(cfg, model_path, Path(log_dir), seed, server_actors=server_actors, disk_root=disk_root)
+    else:
+        raise TypeError(f"unknown engine config {type(cfg).__name__}")
+    if disk_root and not cfg.weight_dir:
+        launched.closers.insert(0, lambda: shutil.rmtree(disk_root, ignore_errors=True))
+    return launched
+
+
+def _disk_root(cfg: Any, weight_dir: str | Path | None, log_dir: str | Path) -> str:
+    """Where ``engine.weight_transfer`` disk writes the versions ("" for the weight group)."""
+    if getattr(cfg, "weight_transfer", "group") != "disk":
+        return ""
+    return str(Path(cfg.weight_dir or weight_dir or Path(log_dir) / "weights").resolve())
+
+
+def _embedded(cfg: EmbeddedEngineConfig, model_path: str | Path) -> LaunchedEngine:
+    from miles.rollout.engines.embedded import EmbeddedEngine
+    from miles.sync import InProcessTransport, WeightSender
+
+    engine = EmbeddedEngine(
+        model_path, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, logprob_mode=cfg.logprob_mode
+    )
+    sender = WeightSender(InProcessTransport(engine.receiver), delta=cfg.delta_weights)
+    return LaunchedEngine(engine, sender, f"embedded ({cfg.dtype}{', delta updates' if cfg.delta_weights else ''})")
+
+
+def _server_env(cfg: Any) -> dict[str, str]:
+    env = dict(cfg.env)
+    if cfg.threads:
+        env.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+    return env
+
+
+def _vllm(
+    cfg: VLLMEngineConfig, model_path: str | Path, log_dir: Path, seed: int, *, remote_sink: bool, disk_root: str
+) -> LaunchedEngine:
+    from miles.rollout.engines.vllm import VLLMEngine, launch_vllm_servers
+
+    servers = []
+    urls = list(cfg.urls)
+    if not urls:
+        servers = launch_vllm_servers(
+            model_path,
+            num_servers=cfg.num_servers,
+            python=cfg.python or os.environ.get("MILES_VLLM_PYTHON", ""),
+            host=cfg.host,
+            port=cfg.port,
+            log_dir=log_dir,
+            startup_timeout_s=cfg.startup_timeout_s,
+            env={**_server_env(cfg), "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_gib:g}"},
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            seed=seed,
+            extra_args=cfg.extra_args,
+        )
+        urls = [server.url for server in servers]
+    engine = VLLMEngine(
+        urls,
+        model=str(model_path),
+        stop_token_ids=stop_token_ids(model_path),
+        request_timeout_s=cfg.request_timeout_s,
+        max_retries=cfg.max_retries,
+        servers=servers,
+        version_from_servers=remote_sink,
+    )
+    factory = VLLMSinkFactory(
+        tuple(engine.urls),
+        model=str(model_path),
+        dtype=cfg.dtype,
+        verify=cfg.verify_weights,
+        timeout_s=cfg.request_timeout_s,
+        delta=cfg.delta_weights,
+        disk_root=disk_root,
+    )
+    sink = _vllm_sink(engine, factory)
+    where = ", ".join(urls) + (f" (logs in {log_dir})" if servers else " (already running)")
+    if disk_root:
+        where += f", weights through {disk_root}"
+    return LaunchedEngine(engine, sink, f"vLLM {cfg.dtype} at {where}", [engine.close], servers, factory)
+
+
+def _sglang(
+    cfg: SGLangEngineConfig, model_path: str | Path, log_dir: Path, seed: int, *, server_actors: bool, disk_root: str
+) -> LaunchedEngine:
+    from miles.rollout.engines.server import ServerStartError
+    from miles.rollout.engines.sglang import SGLangDiskWeightSink, SGLangEngine, SGLangWeightSink
+
+    launched = LaunchedEngine(None, None, "")
+    urls = list(cfg.urls)
+    router_url = None
+    try:
+        if not urls and not (Path(model_path) / "config.json").is_file():
+            raise ServerStartError(
+                f"no model at {model_path} (no config.json there); set models.policy.path to an HF model directory"
+            )
+        if server_actors and not urls:
+            if cfg.router:  # first: a restarted server actor leaves it before its new server answers
+                router_url = _start_router(cfg, [], log_dir, launched)
+            urls = _start_server_actors(cfg, model_path, log_dir, launched, router_url=router_url)
+            if launched.router is not None:
+                for url in urls:
+                    launched.router.add_worker(url)
+        else:
+            if not urls:
+                urls = _start_server_processes(cfg, model_path, log_dir, launched)
+            if cfg.router:
+                from miles.rollout.engines.router import WorkerMonitor
+
+                router_url = _start_router(cfg, urls, log_dir, launched)
+                # Dead servers leave the router; a restarted one (same URL) comes back.
+                monitor = WorkerMonitor(launched.router, urls, interval_s=cfg.health_check_interval_s).start()
+                launched.closers.append(monitor.stop)
+    except BaseException:
+        launched.close()
+        raise
+    engine = SGLangEngine(
+        urls,
+        router_url=router_url,
+        stop_token_ids=stop_token_ids(model_path),
+        request_timeout_s=cfg.request_timeout_s,
+        max_retries=cfg.max_retries,
+    )
+    where = ", ".join(urls) + (f" behind sglang-router at {router_url}" if router_url else "")
+    owner = ", each in a Ray actor" if launched.server_actors else ""
+    launched.sink_factory = SGLangSinkFactory(
+        tuple(engine.worker_urls), disk_root=disk_root, config_from=str(model_path) if disk_root else ""
+    )
+    launched.engine = engine
+    if disk_root:
+        launched.weight_sink = SGLangDiskWeightSink(engine, root=disk_root, config_from=model_path)
+        where += f", weights through {disk_root}"
+    else:
+        launched.weight_sink = SGLangWeightSink(engine)
+    launched.description = f"{cfg.server} server(s) ({cfg.dtype}) at {where}{owner}"
+    return launched
+
+
+def _server_command(cfg: SGLangEngineConfig, model_path: str | Path, port: int, i: int) -> tuple[list[str], str, str]:
+    """(argv, name, the fix a start failure suggests) of server ``i`` at ``port``: miles serve or SGLang."""
+    from miles.rollout.engines.sglang import launch_command
+
+    if cfg.server == "miles":
+        command = [
+            cfg.python or sys.executable, "-m", "miles.rollout.serve",
+            "--model", str(model_path),
+            "--host", cfg.host,
+            "--port", str(port),
+            "--dtype", cfg.dtype,
+            "--max-batch-size", str(cfg.max_batch_size),
+            "--logprob-mode", cfg.logprob_mode,
+            *cfg.extra_args,
+        ]  # fmt: skip
+        return command, f"miles serve {i}", "check the model path and the log above"
+    command = launch_command(model_path, host=cfg.host, port=port, python=cfg.python, extra_args=cfg.extra_args)
+    hint = "SGLang needs a GPU and `pip install sglang`; on a CPU use --engine.server miles"
+    return command, f"SGLang server {i}", hint
+
+
+def _server_ports(cfg: SGLangEngineConfig) -> list[int]:
+    from miles.rollout.engines.server import free_port
+
+    return [cfg.port + i if cfg.port else free_port(cfg.host) for i in range(cfg.num_servers)]
+
+
+def _start_server_processes(
+    cfg: SGLangEngineConfig, model_path: str | Path, log_dir: Path, launched: LaunchedEngine
+) -> list[str]:
+    """Start ``cfg.num_servers`` servers as processes of this one (local mode); returns their URLs."""
+    from miles.rollout.engines.server import ServerProcess
+
+    urls = []
+    for i, port in enumerate(_server_ports(cfg)):
+        command, name, hint = _server_command(cfg, model_path, port, i)
+        server = ServerProcess(
+            name,
+            command,
+            host=cfg.host,
+            port=port,
+            log_path=log_dir / f"{cfg.server}_{i}.log",
+            env=_server_env(cfg),
+            startup_timeout_s=cfg.startup_timeout_s,
+            hint=hint,
+        )
+        server.start()
+        launched.closers.append(server.stop)
+        launched.processes.append(server)
+        urls.append(server.url)
+    return urls
+
+
+def _start_server_actors(
+    cfg: SGLangEngineConfig, model_path: str | Path, log_dir: Path, launched: LaunchedEngine, *, router_url: str | None
+) -> list[str]:
+    """Start ``cfg.num_servers`` servers, each owned by a ``ServerActor`` at a fixed port (Ray restarts it);
+    returns their URLs. Needs the Ray session.
+
+    Resources: each actor asks for 0 CPUs and is pinned to this (the driver's) node. The actor itself only owns
+    a process and answers probes; the server's threads (``engine.threads``) and GPUs are not Ray resources here,
+    exactly as when the servers are processes of the driver, so engines take nothing from the trainer's
+    placement group (on a 2-core machine the trainer's bundles hold every logical CPU) and need no
+    ``execution.ray.num_cpus`` of their own. The node is the driver's because the servers bind ``engine.host``
+    (127.0.0.1 by default) and load ``models.policy.path`` from this node's disk, as the router reaches them.
+    Engine bundles of their own (a GPU per server) are not built yet.
+    """
+    from miles.core.execution import import_ray
+    from miles.rollout.engines.server_actor import ServerSpec, start_server_actors
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    specs = []
+    for i, port in enumerate(_server_ports(cfg)):
+        command, name, _ = _server_command(cfg, model_path, port, i)
+        specs.append(
+            ServerSpec(
+                name,
+                command,
+                port=port,
+                log_path=log_dir / f"{cfg.server}_{i}.log",
+                host=cfg.host,
+                env=_server_env(cfg),
+                startup_timeout_s=cfg.startup_timeout_s,
+                router_url=router_url,
+            )
+        )
+    node = NodeAffinitySchedulingStrategy(node_id=import_ray().get_runtime_context().get_node_id(), soft=False)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    handles = start_server_actors(specs, actor_options={"num_cpus": 0, "scheduling_strategy": node})
+    for handle in handles:
+        launched.closers.append(handle.stop)
+        launched.actor_logs.append(Path(handle.spec.log_path))
+    launched.server_actors, launched.health_check = handles, cfg.health_check
+    return [handle.url for handle in handles]
+
+
+def _start_router(cfg: SGLangEngineConfig, urls: list[str], log_dir: Path, launched: LaunchedEngine) -> str:
+    """Start sglang-router in front of ``urls`` (each must serve already; none: the servers are added later)."""
+    from miles.rollout.engines.router import SGLangRouter
+
+    router = SGLangRouter(
+        urls,
+        policy=cfg.router_policy,
+        host=cfg.host,
+        log_path=log_dir / "sglang_router.log",
+        startup_timeout_s=cfg.startup_timeout_s,
+    )
+    router.start()
+    launched.closers.append(router.stop)
+    launched.processes.append(router.process)
+    launched.router = router
+    return router.url

@@ -1,0 +1,597 @@
+"""vLLM server engines: Miles starts ``vllm serve`` processes, samples from them token-in-token-out over HTTP and
+updates their weights in place through vLLM's RL endpoints and the miles.sync weight-transfer plugin.
+
+Wire protocol (vLLM 0.32, read from ``vllm/entrypoints/openai/completion`` and ``vllm/entrypoints/rl/online``):
+
+- generation: ``POST /v1/completions`` with ``prompt`` = token ids, ``logprobs: 0`` (the sampled token's log-prob),
+  ``return_token_ids`` and ``return_tokens_as_token_ids``; the server runs with ``--logprobs-mode
+  processed_logprobs`` so log-probs are log softmax(logits / temperature) (training rollouts never truncate with
+  top-p/top-k, so this is the distribution the trainer recomputes).
+- pause / resume: ``POST /pause?mode=abort|keep|wait``, ``POST /resume``; the prefix cache is dropped with
+  ``POST /reset_prefix_cache``.
+- weights: ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+  ``/finish_weight_update`` (which sets the version), with the "miles" backend that ``miles.sync`` registers in
+  every vLLM process (``miles.sync.integrations.vllm``); ``/weight_checker`` checksums verify the result.
+
+These endpoints answer only with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config``; ``vllm_command``
+and ``vllm_env`` set both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import math
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from miles.core.protocols import FinishReason, GenerateOutput, GenerateRequest, PauseMode, RequestFailed
+from miles.rollout.engines.server import ServerProcess, ServerStartError, free_port
+from miles.rollout.engines.sglang_api import parse_weight_version
+from miles.sync import WeightSender, WeightUpdateError
+from miles.sync.sender import PushStats
+from miles.sync.transports.distributed import DistributedTransport, init_weight_group
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "install vLLM with scripts/install_vllm.sh and pass --engine.python .venv-vllm/bin/python"
+# Miles pause modes -> vLLM's: "keep" freezes requests in place (they continue after resume, under the new
+# weights: Miles' "retract"); "wait" lets in-flight requests finish and holds new ones (Miles' "keep").
+VLLM_PAUSE_MODES = {"abort": "abort", "retract": "keep", "keep": "wait"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+
+
+def vllm_command(
+    model_path: str | Path,
+    *,
+    python: str = "",
+    host: str = "127.0.0.1",
+    port: int,
+    dtype: str = "fp32",
+    max_model_len: int = 2048,
+    enforce_eager: bool = True,
+    max_num_batched_tokens: int = 8192,
+    seed: int = 0,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """argv of one vLLM OpenAI-compatible server with Miles' RL settings.
+
+    Args:
+        python: the interpreter of the environment vLLM is installed in ("" = this one).
+        dtype: "fp32" or "bf16" (the engine's weights and compute).
+        enforce_eager: skip torch.compile (20-30 s startup instead of 70-100 s on a small CPU, similar speed).
+        max_num_batched_tokens: chunked-prefill budget; vLLM's CPU sampler crashes on per-request seeds when a
+            batch's prompts exceed it (measured on vLLM 0.32), so it is raised above vLLM's CPU default of 2048.
+        extra_args: appended verbatim (they win over the ones above).
+    Raises: ValueError for an unknown dtype.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"engine.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    command = [
+        python or sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--dtype",
+        DTYPES[dtype],
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-batched-tokens",
+        str(max(max_num_batched_tokens, max_model_len)),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--seed",
+        str(seed),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--weight-transfer-config",
+        '{"backend": "miles"}',
+        "--worker-extension-cls",  # the disk handoff's miles_reload_weights (VLLMDiskWeightSink)
+        "miles.sync.integrations.vllm.MilesWorkerExtension",
+        "--disable-uvicorn-access-log",
+    ]
+    if enforce_eager:
+        command.append("--enforce-eager")
+    return command + list(extra_args)
+
+
+def vllm_env(*, kv_cache_gib: float = 1.0, threads: int = 0) -> dict[str, str]:
+    """Environment of a vLLM server: RL endpoints on, the CPU KV cache size, and optionally its OpenMP threads."""
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def check_vllm_installed(python: str = "") -> None:
+    """Raise ServerStartError with the install command when ``python`` cannot import vLLM (checked without importing
+    it, ~0.1 s)."""
+    python = python or sys.executable
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        result = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
+    except FileNotFoundError:
+        raise ServerStartError(f"engine.python {python!r} does not exist; {INSTALL_HINT}") from None
+    if result.returncode != 0:
+        raise ServerStartError(f"vLLM is not installed for {python}; {INSTALL_HINT}")
+
+
+class VLLMEngine:
+    """An ``Engine`` over one or more vLLM servers, token-in-token-out.
+
+    Requests go round-robin to the servers; pause, resume, flush and weight updates go to every server.
+
+    Args:
+        urls: the servers' base URLs (``http://127.0.0.1:PORT``).
+        model: the served model name (vLLM's ``--model`` value unless ``--served-model-name`` was given).
+        stop_token_ids: ids that end a response (finish "stop"), sent with every request.
+        request_timeout_s: one HTTP request may take this long.
+        max_retries: a request that times out or loses its connection is sent again this many times (same seed,
+            so the same response).
+        servers: the ``ServerProcess`` objects when Miles started the servers (``close`` stops them).
+        version_from_servers: the weights are pushed by another process (rank 0 of a Ray trainer, through its own
+            ``VLLMWeightSink``): ``weight_version`` is then the lowest version the servers report, read on every
+            ``resume`` (a publisher resumes the engines after each push). False: the sink pushing through this
+            engine sets it.
+
+    Finish reasons: vLLM's "stop" and "length" map to themselves; "abort" (a ``pause("abort")``) keeps the partial
+    response. Log-probs are the server's decode-step ones (~3e-5 from the trainer's in fp32 here).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        model: str,
+        stop_token_ids: Sequence[int] = (),
+        request_timeout_s: float = 600.0,
+        max_retries: int = 2,
+        servers: Sequence[ServerProcess] = (),
+        version_from_servers: bool = False,
+    ) -> None:
+        if not urls:
+            raise ValueError("VLLMEngine needs at least one server URL")
+        self.urls = [url.rstrip("/") for url in urls]
+        self.model = model
+        self.stop_token_ids = list(stop_token_ids)
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.servers = list(servers)
+        self.version_from_servers = version_from_servers
+        self._next_url = itertools.cycle(self.urls)
+        self._version = 0
+        # Per event loop (a client is bound to its loop), keyed weakly by the loop itself: a new loop can reuse a
+        # freed loop's id, and the dead loop's client then hangs.
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.requests_sent: dict[str, int] = dict.fromkeys(self.urls, 0)
+
+    # -- Engine protocol -------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None or client.is_closed:
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            client = self._clients[loop] = httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits)
+        return client
+
+    def request_body(self, request: GenerateRequest) -> dict[str, Any]:
+        """The ``/v1/completions`` body of one request (token ids in and out, the sampled token's log-prob)."""
+        sampling = request.sampling
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(request.prompt_tokens),
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k or -1,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "request_id": request.request_id,
+        }
+        if request.seed is not None:
+            body["seed"] = request.seed % 2**63
+        if self.stop_token_ids:
+            body["stop_token_ids"] = self.stop_token_ids
+        return body
+
+    async def generate(
+        self, request: GenerateRequest, *, on_finished: Callable[[], None] | None = None
+    ) -> GenerateOutput:
+        """Sample one response on the next server (``Engine.generate``).
+
+        Raises: ValueError for an empty prompt; RequestFailed (only this request fails) for a rejected request
+            (HTTP 4xx, with the server's message), a malformed / non-finite response, or a request that timed out
+            or lost its connection ``max_retries`` + 1 times.
+        """
+        if not request.prompt_tokens:
+            raise ValueError("a generate request has an empty prompt; every request needs at least one token")
+        body = self.request_body(request)
+        url = next(self._next_url)
+        version = self._version
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = await self._client().post(url + "/v1/completions", json=body)
+                break
+            except (httpx.TimeoutException, httpx.TransportError) as err:
+                if attempt == self.max_retries:
+                    raise RequestFailed(
+                        f"vLLM at {url}: request {request.request_id} failed {attempt + 1} times: {err!r}"
+                    ) from None
+                logger.warning("request %s to %s failed (%r); retrying", request.request_id, url, err)
+        self.requests_sent[url] += 1
+        if response.status_code >= 400:
+            raise RequestFailed(f"vLLM at {url} rejected request {request.request_id}: {response.text[:300]}")
+        output = parse_completion(response.json(), request_id=request.request_id)
+        if self._version != version:  # the weights changed while it ran (pause "retract")
+            output.weight_versions = [version, self._version]
+            output.weight_version = self._version
+        else:
+            output.weight_versions = [version]
+            output.weight_version = version
+        if on_finished is not None:
+            on_finished()
+        return output
+
+    def _post_all(self, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[httpx.Response]:
+        """POST to every server, concurrently; raises RuntimeError naming the server that answered an error."""
+        results: list[Any] = [None] * len(self.urls)
+
+        def post(i: int, url: str) -> None:
+            try:
+                results[i] = httpx.post(url + path, timeout=timeout_s or self.request_timeout_s, **kwargs)
+            except httpx.HTTPError as err:
+                results[i] = err
+
+        threads = [threading.Thread(target=post, args=(i, url)) for i, url in enumerate(self.urls)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for url, result in zip(self.urls, results):
+            if isinstance(result, Exception):
+                raise RuntimeError(f"vLLM at {url}: POST {path} failed: {result!r}")
+            if result.status_code >= 400:
+                raise RuntimeError(f"vLLM at {url}: POST {path} answered {result.status_code}: {result.text[:300]}")
+        return results
+
+    def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
+        """``Engine.pause`` on every server. Returns []: interrupted requests' partial outputs come back through
+        their own ``generate`` calls (finish "abort"), as an HTTP server answers each request itself.
+        Raises: ValueError for an unknown mode; RuntimeError when a server fails to pause."""
+        if mode not in VLLM_PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {tuple(VLLM_PAUSE_MODES)}, got {mode!r}")
+        self._post_all("/pause", params={"mode": VLLM_PAUSE_MODES[mode], "clear_cache": "false"})
+        return []
+
+    def resume(self) -> None:
+        if self.version_from_servers:  # before requests continue: they record the version they finish on
+            self._version = min(parse_weight_version(v) for v in self.server_versions())
+        self._post_all("/resume")
+
+    def flush_cache(self) -> None:
+        """Drop every server's prefix cache (KV computed with older weights)."""
+        self._post_all("/reset_prefix_cache")
+
+    def health(self) -> bool:
+        try:
+            return all(httpx.get(url + "/health", timeout=10).status_code == 200 for url in self.urls)
+        except httpx.HTTPError:
+            return False
+
+    def set_weight_version(self, version: int) -> None:
+        """Record ``version`` on every server (``/update_weight_version``) without changing weights."""
+        self._post_all("/update_weight_version", json={"new_version": str(version)})
+        self._version = version
+
+    def server_versions(self) -> list[str]:
+        """Each server's ``/weight_info`` version (strings, as vLLM keeps them)."""
+        return [httpx.get(url + "/weight_info", timeout=30).json()["weight_version"] for url in self.urls]
+
+    def checksums(self, url: str) -> dict[str, str]:
+        """``/weight_checker`` sha256 digests of one server's parameters, keyed ``dp0:pp0:pcp0:tp0:NAME``."""
+        response = httpx.post(url + "/weight_checker", json={"action": "checksum"}, timeout=self.request_timeout_s)
+        response.raise_for_status()
+        return response.json()["checksums"]
+
+    def close(self) -> None:
+        """Stop the servers Miles started (idempotent)."""
+        for server in self.servers:
+            server.stop()
+
+
+def parse_completion(body: dict[str, Any], *, request_id: str) -> GenerateOutput:
+    """A ``GenerateOutput`` from a ``/v1/completions`` response of one prompt.
+
+    Raises: RequestFailed when token ids or log-probs are missing, of different lengths, or not finite, or the finish
+        reason is unknown.
+    """
+    try:
+        choice = body["choices"][0]
+        tokens = [int(t) for t in choice["token_ids"]]
+        log_probs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        reason = choice["finish_reason"]
+    except (KeyError, IndexError, TypeError) as err:
+        raise RequestFailed(f"vLLM response for {request_id} lacks {err}: {str(body)[:300]}") from None
+    if len(tokens) != len(log_probs):
+        raise RequestFailed(f"vLLM response for {request_id}: {len(tokens)} tokens but {len(log_probs)} log-probs")
+    if not all(math.isfinite(x) for x in log_probs):
+        raise RequestFailed(f"vLLM response for {request_id} has non-finite log-probs")
+    finish: dict[Any, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", None: "abort"}
+    if reason not in finish:
+        raise RequestFailed(f"vLLM response for {request_id} has an unknown finish_reason {reason!r}")
+    return GenerateOutput(
+        response_tokens=tokens, log_probs=log_probs, finish_reason=finish[reason], request_id=request_id
+    )
+
+
+def expected_digests(named_tensors: Iterable[tuple[str, Tensor]], dtype: torch.dtype) -> dict[str, str]:
+    """sha256 digests, as vLLM's ``/weight_checker`` computes them, of the parameters vLLM builds from HF-named
+    tensors: each tensor under its own name, plus the fused ``qkv_proj`` (q, k, v stacked on dim 0) and
+    ``gate_up_proj`` (gate, up) of Llama-style models, all cast to the server's ``dtype``."""
+    tensors = {name: tensor for name, tensor in named_tensors}
+
+    def digest(tensor: Tensor) -> str:
+        data = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        return hashlib.sha256(data.view(-1).view(torch.uint8).numpy()).hexdigest()
+
+    digests = {name: digest(tensor) for name, tensor in tensors.items()}
+    for name in tensors:
+        if name.endswith("self_attn.q_proj.weight"):
+            parts = [tensors.get(name.replace("q_proj", p)) for p in ("q_proj", "k_proj", "v_proj")]
+            if all(p is not None for p in parts):
+                digests[name.replace("q_proj", "qkv_proj")] = digest(torch.cat(parts))
+        if name.endswith("mlp.gate_proj.weight"):
+            up = tensors.get(name.replace("gate_proj", "up_proj"))
+            if up is not None:
+                digests[name.replace("gate_proj", "gate_up_proj")] = digest(torch.cat([tensors[name], up]))
+    return digests
+
+
+def verify_servers(
+    engine: VLLMEngine, named_tensors: Sequence[tuple[str, Tensor]], dtype: torch.dtype, what: str
+) -> tuple[int, int]:
+    """Compare every server's ``/weight_checker`` digests with ``named_tensors`` (HF names, cast to ``dtype``).
+
+    Returns: (verified, not checkable) tensors summed over the servers.
+    Raises: WeightUpdateError naming the first server that holds other weights ("... than ``what``").
+    """
+    expected = expected_digests(named_tensors, dtype)
+    verified = unchecked = 0
+    for url in engine.urls:
+        ok, skipped, mismatched = compare_digests(engine.checksums(url), expected)
+        if mismatched:
+            raise WeightUpdateError(
+                f"vLLM at {url} holds different weights than {what}: {len(mismatched)} tensors differ, "
+                f"e.g. {mismatched[:3]}"
+            )
+        verified, unchecked = verified + ok, unchecked + skipped
+    return verified, unchecked
+
+
+def compare_digests(server: dict[str, str], expected: dict[str, str]) -> tuple[int, int, list[str]]:
+    """Compare a server's ``/weight_checker`` digests with ``expected_digests``.
+
+    vLLM's CPU backend moves linear weights into packed GEMM handles and leaves an empty parameter (the digest of
+    no bytes), so those cannot be checked here; on GPUs every parameter is.
+    Returns: (verified, not checkable, mismatched names); a name the trainer did not send counts as mismatched.
+    """
+    verified, unchecked, mismatched = 0, 0, []
+    for key, value in server.items():
+        name = key.rsplit(":", 1)[-1]
+        if value == EMPTY_DIGEST:
+            unchecked += 1
+        elif expected.get(name) == value:
+            verified += 1
+        else:
+            mismatched.append(name)
+    return verified, unchecked, mismatched
+
+
+class VLLMWeightSink:
+    """Trainer side of the "miles" weight-transfer backend: ``push(named_tensors, version=)`` puts a complete
+    update into every server of a ``VLLMEngine`` (the interface of ``miles.sync.WeightSender``, which it uses).
+
+    The first push creates the weight group: this process is rank 0, each server's workers follow (its
+    ``/get_world_size``). Every push: ``/start_weight_update`` -> ``/update_weights`` on every server while the
+    sender broadcasts the buckets -> ``/finish_weight_update`` with the version. With ``verify``, the servers'
+    ``/weight_checker`` digests are compared with the pushed tensors'.
+
+    Args:
+        engine: the servers' ``VLLMEngine``; its ``weight_version`` follows each committed push.
+        dtype: the servers' dtype ("fp32" / "bf16"), for the digests.
+        backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
+        bucket_bytes: bytes per broadcast bucket.
+        verify: compare checksums after each push (~1 s per 0.5 GB here).
+        timeout_s: the weight group's collective timeout.
+        delta: send each update as its change from the last (``WeightSender(delta=True)``); a server restarted
+            since (a new receiver) gets that update in full.
+    """
+
+    def __init__(
+        self,
+        engine: VLLMEngine,
+        *,
+        dtype: str = "fp32",
+        backend: str = "gloo",
+        bucket_bytes: int = 512 * 2**20,
+        verify: bool = True,
+        timeout_s: float = 600.0,
+        delta: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.verify = verify
+        self.timeout_s = timeout_s
+        self.delta = delta
+        self.sender: WeightSender | None = None
+        self.last_verified: tuple[int, int] = (0, 0)  # (verified, not checkable) tensors of the last push
+
+    @property
+    def version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def last_push(self) -> PushStats | None:
+        """``PushStats`` of the last push (bytes sent, full bytes), or None before the first."""
+        return self.sender.last_push if self.sender is not None else None
+
+    def _connect(self) -> None:
+        engine = self.engine
+        sizes = [httpx.get(url + "/get_world_size", timeout=30).json()["world_size"] for url in engine.urls]
+        offsets = list(itertools.accumulate([1] + sizes[:-1]))
+        port = free_port()
+        errors: list[str] = []
+
+        def init(url: str, offset: int) -> None:
+            info = {
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "world_size": 1 + sum(sizes),
+                "rank_offset": offset,
+                "backend": self.backend,
+                "timeout_s": self.timeout_s,
+            }
+            try:
+                r = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": info}, timeout=self.timeout_s)
+                if r.status_code >= 400:
+                    errors.append(f"{url}: {r.status_code} {r.text[:300]}")
+            except httpx.HTTPError as err:
+                errors.append(f"{url}: {err!r}")
+
+        threads = [threading.Thread(target=init, args=(u, o)) for u, o in zip(engine.urls, offsets)]
+        for thread in threads:
+            thread.start()
+        group = init_weight_group(
+            backend=self.backend,
+            master_address="127.0.0.1",
+            master_port=port,
+            world_size=1 + sum(sizes),
+            rank=0,
+            group_name="miles_weights",
+            timeout_s=self.timeout_s,
+        )
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise WeightUpdateError("vLLM weight transfer init failed: " + "; ".join(errors))
+        self.sender = WeightSender(DistributedTransport(group, src=0), bucket_bytes=self.bucket_bytes, delta=self.delta)
+        self.sender.version = engine.weight_version
+        logger.info("weight group up: trainer + %d vLLM workers on %d servers", sum(sizes), len(sizes))
+
+    def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int | None = None) -> int:
+        """Send one complete update to every server and return its version.
+
+        Raises: WeightUpdateError naming the server and its message when a server rejects the update or the
+            checksums disagree (the engine version stays).
+        """
+        started = time.perf_counter()
+        if self.sender is None:
+            self._connect()
+        named = list(named_tensors)
+        version = self.engine.weight_version + 1 if version is None else version
+        engine = self.engine
+        try:
+            engine._post_all("/start_weight_update")
+        except RuntimeError as err:
+            raise WeightUpdateError(str(err)) from None
+        errors: list[str] = []
+
+        def update() -> None:
+            try:
+                engine._post_all(
+                    "/update_weights", json={"update_info": {"version": version}}, timeout_s=self.timeout_s
+                )
+            except RuntimeError as err:
+                errors.append(str(err))
+
+        thread = threading.Thread(target=update)
+        thread.start()
+        try:
+            self.sender.push(named, version=version)
+        finally:
+            thread.join()
+        if errors:
+            raise WeightUpdateError("; ".join(errors))
+        try:
+            engine._post_all("/finish_weight_update", json={"weight_version": str(version)})
+        except RuntimeError as err:
+            raise WeightUpdateError(str(err)) from None
+        engine._version = version
+        if self.verify:
+            self.last_verified = verify_servers(engine, named, self.dtype, f"were pushed as v{version}")
+        logger.debug(
+            "pushed weights v%d to %d vLLM servers in %.2fs", version, len(engine.urls), time.perf_counter() - started
+        )
+        return version
+
+
+def launch_vllm_servers(
+    model_path: str | Path,
+    *,
+    num_servers: int = 1,
+    python: str = "",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_dir: str | Path,
+    startup_timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+    **command_kwargs: Any,
+) -> list[ServerProcess]:
+    """Start ``num_servers`` vLLM servers (ports ``port``, ``port + 1``, ... or free ones) and wait for all.
+
+    Raises: ServerStartError with the install command when vLLM is missing, or with the server's log tail when
+        one does not start (the others are stopped).
+    """
+    if not (Path(model_path) / "config.json").is_file():
+        raise ServerStartError(
+            f"no model at {model_path} (no config.json there); set models.policy.path to an HF model directory"
+        )
+    check_vllm_installed(python)
+    servers = []
+    for i in range(num_servers):
+        server_port = port + i if port else free_port(host)
+        servers.append(
+            ServerProcess(
+                f"vLLM server {i}",
+                vllm_command(model_path, python=python, host=host, port=server_port, **command_kwargs),
+                host=host,
+                port=server_port,
+                log_path=Path(log_dir) / f"vllm_{i}.log",
+                env={**vllm_env(), **(env or {})},
+                startup_timeout_s=startup_timeout_s,
+                hint=f"check the model path and the log above; {INSTALL_HINT}",
+            )
+        )
+    try:
+        for server in servers:  # one at a time: concurrent startups fight over 2 cores
+            server.start()
+    except ServerStartError:
+        for server in servers:
+            server.stop()
+        raise
+    return servers

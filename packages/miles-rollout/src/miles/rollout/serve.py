@@ -1,0 +1,605 @@
+"""``miles serve``: the embedded engine behind a subset of SGLang's native HTTP API, for CPUs where SGLang cannot run.
+
+    python -m miles.rollout.serve --model PATH [--host 127.0.0.1] [--port 30000] [--dtype fp32|bf16]
+        [--max-batch-size N] [--logprob-mode prefill|decode] [--stop-token-ids ID ...] [--log-level info]
+
+One ``EmbeddedEngine`` answers the endpoints Miles (``SGLangEngine``, ``SGLangWeightSink``) and the sglang-router
+use, with SGLang's field names and semantics (SGLang's ``entrypoints/http_server.py`` and ``managers/io_struct.py``,
+read at sgl-project/sglang 0025436 / 001067f; the ``/generate`` format is ``engines/sglang_api.py``).
+Token-in-token-out only: ``input_ids`` in, ``output_ids`` and ``meta_info.output_token_logprobs`` out, ``text``
+always "" (no tokenizer). Differences from SGLang, all deliberate:
+
+- ``/pause_generation`` mode ``in_place`` runs the engine's ``pause("keep")``: SGLang freezes the running requests
+  mid-decode and resumes them with their KV cache; Miles lets the running batch finish (the call blocks until it
+  has), and queued requests wait. Either way no request is aborted and each completes once, after
+  ``/continue_generation`` for those not yet running. ``abort`` and ``retract`` are the engine's modes of the same
+  name. The default mode is SGLang's, ``abort``.
+- ``/update_weights_from_distributed`` checks every name and shape against the model before loading, so a rejected
+  request loads nothing of itself (earlier requests of the same update stay loaded, as in SGLang).
+- ``/update_weights_from_tensor`` is refused: SGLang's payload is CUDA IPC handles, which a CPU engine cannot open.
+- ``/release_memory_occupation`` frees the parameters for real; ``/resume_memory_occupation`` re-allocates them
+  zero-filled (SGLang without a CPU backup keeps no values either), so weights must be pushed again before
+  generating. Releasing needs an idle engine (abort first), as in SGLang.
+- ``/update_weights_from_disk`` also reads a ``miles.sync.disk`` version directory, checking every shard against
+  its manifest (a corrupt one loads nothing), and loads all tensors or none; the served ``model_path`` stays the
+  one the server started with (SGLang's becomes the new one).
+- weight versions are integers in strings ("0", "1", ...): the engine's versions are ints.
+
+Endpoints: ``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
+``/get_load``, ``/generate``, ``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``,
+``/slow_down`` (SGLang's testing aid), ``/init_weights_update_group``, ``/destroy_weights_update_group``,
+``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/update_weights_from_tensor`` (refused),
+``/update_weight_version``, ``/release_memory_occupation``, ``/resume_memory_occupation``. Blocking work (pause,
+weight transfer, release) runs in worker threads, so ``/generate`` and ``/health`` keep answering meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from miles.core.config import SamplingConfig
+from miles.core.protocols import GenerateRequest
+from miles.rollout.engines.embedded import EmbeddedEngine, WeightsReleasedError
+from miles.rollout.engines.sglang_api import generate_response, parse_generate_request, parse_weight_version
+from miles.sync.disk import MANIFEST, read_hf_weights, read_manifest, read_weights
+from miles.sync.transports.distributed import init_weight_group
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
+SGLANG_TO_MILES_PAUSE = {"abort": "abort", "retract": "retract", "in_place": "keep"}
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+
+router = APIRouter()
+
+
+@dataclass
+class ServeState:
+    """What the endpoints share: the engine, the model's limits, the weight groups joined, the slow-down."""
+
+    engine: EmbeddedEngine
+    model_path: str
+    vocab_size: int
+    context_length: int
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    forward_sleep_s: float = 0.0  # /slow_down
+    num_generate_requests: int = 0  # /generate requests answered 200 (in /get_server_info)
+
+    @property
+    def version(self) -> str:
+        return str(self.engine.weight_version)
+
+
+def create_app(engine: EmbeddedEngine, *, model_path: str) -> FastAPI:
+    """The FastAPI app over ``engine`` (one process, one engine)."""
+    app = FastAPI(title="miles serve")
+    app.state.serve = state = ServeState(
+        engine,
+        model_path,
+        vocab_size=engine.model.get_input_embeddings().num_embeddings,
+        context_length=int(getattr(engine.model.config, "max_position_embeddings", 1 << 30)),
+    )
+
+    def sleep_before_forward(module: Any, args: Any) -> None:
+        if state.forward_sleep_s > 0:
+            time.sleep(state.forward_sleep_s)
+
+    # On the LM head: it runs once per forward pass, through HF generate and in the continuous-batching loop alike.
+    engine.model.get_output_embeddings().register_forward_pre_hook(sleep_before_forward)
+    app.include_router(router)
+    return app
+
+
+def _state(request: Request) -> ServeState:
+    return request.app.state.serve
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    """SGLang's ``ErrorResponse``."""
+    phrase = {400: "Bad Request", 500: "Internal Server Error", 503: "Service Unavailable"}[status]
+    body = {"object": "error", "message": message, "type": phrase, "param": None, "code": status}
+    return JSONResponse(body, status_code=status)
+
+
+def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
+    """SGLang's ``{"success", "message"}`` answer: 200, or 400 on failure."""
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    """The JSON object body ({} when empty). Raises: ValueError for bad JSON or a non-object."""
+    raw = await request.body()
+    if not raw:
+        return {}
+    data = await request.json()
+    if not isinstance(data, dict):
+        raise ValueError("the request body must be a JSON object")
+    return data
+
+
+# -- status -----------------------------------------------------------------------------------------
+@router.get("/health")
+async def health() -> Response:
+    """200 while the process is up (also paused or released: the router should keep the worker)."""
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """One greedy token from token id 0, as SGLang; 503 while paused or released, or after 20 s."""
+    engine = _state(request).engine
+    if engine.paused or not engine.health():
+        return Response(status_code=503)
+    probe = GenerateRequest([0], SamplingConfig(top_k=1, max_new_tokens=1), request_id=f"HEALTH_CHECK_{time.time()}")
+    try:
+        await asyncio.wait_for(asyncio.shield(engine.generate(probe)), HEALTH_CHECK_TIMEOUT_S)
+    except (TimeoutError, WeightsReleasedError):
+        engine.abort(probe.request_id)
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    config = state.engine.model.config
+    return {
+        "model_path": state.model_path,
+        "tokenizer_path": state.model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": state.version,
+        "served_model_name": state.model_path,
+        "max_context_length": state.context_length,
+        "vocab_size": state.vocab_size,
+        "model_type": getattr(config, "model_type", None),
+        "architectures": getattr(config, "architectures", None),
+        "eos_token_ids": list(state.engine.stop_token_ids),
+        "supports_vision": False,
+    }
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    """The ``ServerArgs`` fields the sglang-router reads when it registers a worker, and miles serve's own."""
+    state = _state(request)
+    engine = state.engine
+    return {
+        "model_path": state.model_path,
+        "tokenizer_path": state.model_path,
+        "served_model_name": state.model_path,
+        "is_generation": True,
+        "is_embedding": False,
+        "skip_tokenizer_init": True,
+        "model_type": getattr(engine.model.config, "model_type", None),
+        "architectures": getattr(engine.model.config, "architectures", None),
+        "tp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "load_balance_method": "round_robin",
+        "disaggregation_mode": "null",
+        "max_running_requests": engine.max_batch_size,
+        "context_length": state.context_length,
+        "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
+        "device": engine.model.device.type,
+        "logprob_mode": engine.logprob_mode,
+        "stop_token_ids": list(engine.stop_token_ids),
+        "weight_version": state.version,
+        "num_generate_requests": state.num_generate_requests,
+        "version": "miles-serve",
+    }
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request) -> dict[str, str]:
+    return {"weight_version": _state(request).version}
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> list[dict[str, int]]:
+    """SGLang's load report: ``num_reqs`` running + waiting, ``num_waiting_reqs``, ``num_tokens`` of both."""
+    load = _state(request).engine.load()
+    num_reqs = load.num_running + load.num_waiting
+    return [{"dp_rank": 0, "num_reqs": num_reqs, "num_waiting_reqs": load.num_waiting, "num_tokens": load.num_tokens}]
+
+
+# -- generation -------------------------------------------------------------------------------------
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request) -> Response:
+    state = _state(request)
+    started = time.perf_counter()
+    try:
+        parsed, return_logprob = parse_generate_request(
+            await _body(request),
+            vocab_size=state.vocab_size,
+            context_length=state.context_length,
+            stop_token_ids=state.engine.stop_token_ids,
+        )
+        output = await state.engine.generate(parsed)
+    except WeightsReleasedError as err:
+        return _error(f"{err} (POST /resume_memory_occupation, then push weights)", 503)
+    except ValueError as err:
+        return _error(str(err))
+    except Exception as err:  # noqa: BLE001 - a failed batch: this request's answer, the server goes on
+        logger.warning("a /generate request failed: %r", err)
+        return _error(f"generation failed: {err!r}", 500)
+    latency_s = time.perf_counter() - started
+    state.num_generate_requests += 1
+    return JSONResponse(generate_response(output, parsed, return_logprob=return_logprob, latency_s=latency_s))
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """End ``rid`` (or every request with ``abort_all``): a waiting one at once, a running one after its decode
+    step; 200 whether or not it was found, as SGLang."""
+    try:
+        body = await _body(request)
+    except ValueError as err:
+        return _error(str(err))
+    if body.get("abort_all"):
+        _state(request).engine.abort()
+    elif body.get("rid"):
+        _state(request).engine.abort(str(body["rid"]))
+    return Response(status_code=200)
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request) -> Response:
+    """Blocks until no batch runs (``EmbeddedEngine.pause``); mode in_place maps to the engine's keep."""
+    try:
+        mode = (await _body(request)).get("mode", "abort")
+    except ValueError as err:
+        return _error(str(err))
+    if mode not in SGLANG_TO_MILES_PAUSE:
+        return _error(f"pause mode must be one of {sorted(SGLANG_TO_MILES_PAUSE)}, got {mode!r}")
+    await asyncio.to_thread(_state(request).engine.pause, SGLANG_TO_MILES_PAUSE[mode])
+    return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> Response:
+    _state(request).engine.resume()
+    return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    """Always succeeds: the engine caches nothing between batches."""
+    _state(request).engine.flush_cache()
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.api_route("/slow_down", methods=["GET", "POST"])
+async def slow_down(request: Request) -> Response:
+    """SGLang's testing aid: sleep ``forward_sleep_time`` seconds before every forward pass (null or 0: off)."""
+    try:
+        sleep_s = (await _body(request)).get("forward_sleep_time") or 0.0
+    except ValueError as err:
+        return _error(str(err))
+    if isinstance(sleep_s, bool) or not isinstance(sleep_s, (int, float)) or sleep_s < 0:
+        return _error(f"forward_sleep_time must be a number >= 0 or null, got {sleep_s!r}")
+    _state(request).forward_sleep_s = float(sleep_s)
+    return Response(status_code=200)
+
+
+# -- weights ----------------------------------------------------------------------------------------
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request) -> Response:
+    """Join the trainer's weight group as rank ``rank_offset`` (returns once every rank joined)."""
+    groups = _state(request).groups
+    try:
+        body = await _body(request)
+        name = str(body.get("group_name", DEFAULT_GROUP))
+        if name in groups:
+            raise ValueError(f"weight update group {name!r} exists; destroy it first or use another name")
+        kwargs = {
+            "backend": str(body.get("backend", "nccl")),
+            "master_address": str(body["master_address"]),
+            "master_port": int(body["master_port"]),
+            "world_size": int(body["world_size"]),
+            "rank": int(body["rank_offset"]),
+            "group_name": name,
+        }
+    except (KeyError, TypeError, ValueError) as err:
+        return _result(False, f"bad init_weights_update_group request: {err!r}")
+    try:
+        groups[name] = await asyncio.to_thread(init_weight_group, **kwargs)
+    except Exception as err:  # noqa: BLE001 - reported to the caller, as SGLang does
+        return _result(False, f"Failed to initialize custom process group: {err}.")
+    logger.info("joined weight group %r as rank %d of %d", name, kwargs["rank"], kwargs["world_size"])
+    return _result(True, "Succeeded to initialize custom process group.")
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request) -> Response:
+    try:
+        name = (await _body(request)).get("group_name", DEFAULT_GROUP)
+    except ValueError as err:
+        return _result(False, str(err))
+    group = _state(request).groups.pop(name, None)
+    if group is None:
+        return _result(False, "The group to be destroyed does not exist.")
+    await asyncio.to_thread(dist.destroy_process_group, group)
+    return _result(True, "Succeeded to destroy custom process group.")
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: Request) -> Response:
+    """Receive one broadcast per tensor from rank 0, in ``names`` order, and load them all (or none).
+
+    ``abort_all_requests`` aborts every request first; ``flush_cache`` needs nothing (no cache).
+    """
+    state = _state(request)
+    try:
+        body = await _body(request)
+        names, shapes = body["names"], body["shapes"]
+        dtypes = [getattr(torch, str(d), None) for d in body["dtypes"]]
+        name = body.get("group_name", DEFAULT_GROUP)
+        group = state.groups.get(name)
+        if group is None:
+            raise ValueError(f"no weight update group {name!r}; POST /init_weights_update_group first")
+        if body.get("load_format") is not None:
+            raise ValueError(
+                f"load_format {body['load_format']!r} is not supported (only null: a broadcast per tensor)"
+            )
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"got {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes")
+        if not all(isinstance(d, torch.dtype) for d in dtypes):
+            raise ValueError(f"unknown dtype among {body['dtypes']}; use torch names such as 'bfloat16'")
+        new_version = body.get("weight_version")
+        new_version = None if new_version is None else parse_weight_version(new_version)
+    except (KeyError, TypeError, ValueError) as err:
+        return _result(False, f"bad update_weights_from_distributed request: {err}")
+    if body.get("abort_all_requests"):
+        state.engine.abort()
+    try:
+        await asyncio.to_thread(_receive_and_load, state.engine, group, names, dtypes, shapes)
+    except Exception as err:  # noqa: BLE001 - reported to the caller; the version stays
+        message = f"Failed to update parameter online: {err}. The weight version stays {state.version}."
+        logger.warning(message)
+        return _result(False, message)
+    message = "Succeeded to update parameter online."
+    if new_version is not None:
+        await asyncio.to_thread(state.engine.set_weight_version, new_version)
+        message += f" Weight version updated to {new_version}."
+    return _result(True, message)
+
+
+def _receive_and_load(engine: EmbeddedEngine, group: Any, names: list, dtypes: list, shapes: list) -> None:
+    """Take part in one broadcast per tensor (SGLang's ``ModelRunner.update_weights_from_distributed``: src 0,
+    ``names`` order, all issued async, then waited), then load them all, or none if a name or shape is wrong.
+
+    Every broadcast is received even when the metadata does not fit the model, so the sender never hangs.
+    Raises: ValueError naming the first bad tensor; what the broadcast or ``load_weights`` raised.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    tensors = [torch.empty([int(n) for n in shape], dtype=dtype, device=device) for shape, dtype in zip(shapes, dtypes)]
+    handles = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in tensors]
+    for handle in handles:
+        handle.wait()
+    state = engine.model.state_dict()
+    for name, tensor in zip(names, tensors):
+        if name not in state:
+            raise ValueError(f"the model has no tensor {name!r}; nothing of this request was loaded")
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{name!r} arrived with shape {list(tensor.shape)}, the model's is {list(state[name].shape)}; "
+                "nothing of this request was loaded"
+            )
+    engine.load_weights(zip(names, tensors))
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> Response:
+    """Load the weights of the directory ``model_path`` (SGLang's ``UpdateWeightFromDiskReqInput``), all or none.
+
+    ``model_path`` is a version directory ``miles.sync.disk.DiskWeightWriter`` wrote (every shard checked against
+    its ``manifest.json`` first) or a plain HF safetensors checkpoint. The files are read while generation goes
+    on; then, as SGLang's writer lock does, the running batch finishes, new batches wait, the tensors are copied
+    in and ``weight_version`` (if given) is set, and generation continues; an engine already paused (the trainer
+    pauses it around a push) is loaded at once and stays paused. ``abort_all_requests`` aborts every request
+    first; ``keep_pause`` keeps the engine paused after the update. ``load_format`` may be null, "auto" or
+    "safetensors"; ``flush_cache``, ``is_async``, ``torch_empty_cache``, ``recapture_cuda_graph`` and
+    ``token_step`` need nothing here. Unlike SGLang the served ``model_path`` stays the one the server started
+    with (a version directory is removed once newer ones exist).
+    """
+    state = _state(request)
+    try:
+        body = await _body(request)
+        model_path = body.get("model_path")
+        if not isinstance(model_path, str) or not model_path:
+            raise ValueError(f"model_path must be a non-empty directory path, got {model_path!r}")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise ValueError(f"load_format {body['load_format']!r} is not supported (null, 'auto' or 'safetensors')")
+        if body.get("manifest") is not None:
+            raise ValueError("the manifest field is not supported; miles serve reads model_path/manifest.json")
+        new_version = body.get("weight_version")
+        new_version = None if new_version is None else parse_weight_version(new_version)
+    except (TypeError, ValueError) as err:
+        return _result(False, f"bad update_weights_from_disk request: {err}", num_paused_requests=0)
+    if body.get("abort_all_requests"):
+        state.engine.abort()
+    try:
+        named = await asyncio.to_thread(_read_weight_dir, Path(model_path), new_version)
+        await asyncio.to_thread(_load_paused, state.engine, named, new_version, bool(body.get("keep_pause")))
+    except Exception as err:  # noqa: BLE001 - reported to the caller; weights and version stay
+        message = f"Failed to update weights: {err}. The weight version stays {state.version}."
+        logger.warning(message)
+        return _result(False, message, num_paused_requests=0)
+    logger.info("loaded %d tensors from %s (weight version %s)", len(named), model_path, state.version)
+    message = "Succeeded to update model weights."
+    if new_version is not None:
+        message += f" Weight version updated to {new_version}."
+    return _result(True, message, num_paused_requests=0)
+
+
+def _read_weight_dir(path: Path, version: int | None) -> dict[str, torch.Tensor]:
+    """The tensors of a Miles version directory (checked against its manifest, whose version must equal
+    ``version`` when one is given) or of a plain HF safetensors directory.
+
+    Raises: WeightUpdateError naming the file at fault; ValueError for a missing directory or a version mismatch.
+    """
+    if not path.is_dir():
+        raise ValueError(f"model_path {path} is not a directory on this server")
+    if not (path / MANIFEST).is_file():
+        return read_hf_weights(path)
+    manifest_version = read_manifest(path).version
+    if version is not None and version != manifest_version:
+        raise ValueError(f"{path / MANIFEST} holds weight version {manifest_version}, the request says {version}")
+    return read_weights(path)
+
+
+def _load_paused(engine: EmbeddedEngine, named: dict[str, torch.Tensor], version: int | None, keep_pause: bool) -> None:
+    """Check every name and shape against the model, then load and set the version with no batch running.
+
+    Raises: ValueError naming the first tensor the model lacks or whose shape differs (nothing loaded);
+        WeightsReleasedError while the weights are released.
+    """
+    model_state = engine.model.state_dict()
+    for name, tensor in named.items():
+        if name not in model_state:
+            raise ValueError(f"the model has no tensor {name!r}; nothing was loaded")
+        if tuple(model_state[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{name!r} has shape {list(tensor.shape)} on disk, the model's is {list(model_state[name].shape)}; "
+                "nothing was loaded"
+            )
+    was_paused = engine.paused
+    if not was_paused:
+        engine.pause("keep")  # blocks until the running batch ends; queued requests wait
+    try:
+        engine.load_weights(named.items())
+        if version is not None:
+            engine.set_weight_version(version)
+    finally:
+        if not was_paused and not keep_pause:
+            engine.resume()
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor() -> Response:
+    return _result(
+        False,
+        "update_weights_from_tensor is not supported by miles serve (SGLang passes CUDA IPC handles); "
+        "use update_weights_from_distributed",
+    )
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> Response:
+    """Set the version; ``abort_all_requests`` (SGLang's default: true) first aborts every request."""
+    engine = _state(request).engine
+    try:
+        body = await _body(request)
+        new_version = parse_weight_version(body["new_version"])
+    except (KeyError, ValueError) as err:
+        return _result(False, f"bad update_weight_version request: {err!r}")
+    if body.get("abort_all_requests", True):
+        engine.abort()
+    await asyncio.to_thread(engine.set_weight_version, new_version)
+    return _result(True, f"Weight version updated to {new_version}", new_version=str(new_version))
+
+
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(request: Request) -> Response:
+    """Free the parameters (tag "weights"; "kv_cache" has nothing to free); needs an idle engine."""
+    try:
+        tags = _tags(await _body(request))
+        if "weights" in tags:
+            await asyncio.to_thread(_state(request).engine.release_weights)
+    except (RuntimeError, ValueError) as err:
+        return _error(str(err))
+    return _result(True, "Released the weights' memory; resume it, then push weights, before generating.")
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(request: Request) -> Response:
+    """Re-allocate the parameters, zero-filled: push weights before generating."""
+    try:
+        tags = _tags(await _body(request))
+    except ValueError as err:
+        return _error(str(err))
+    if "weights" in tags:
+        await asyncio.to_thread(_state(request).engine.resume_weights)
+    return _result(True, "Re-allocated the weights, zero-filled: push weights before generating.")
+
+
+def _tags(body: dict[str, Any]) -> set[str]:
+    """SGLang's memory tags; null means all. Raises: ValueError for an unknown tag."""
+    tags = body.get("tags")
+    if tags is None:
+        return {"weights", "kv_cache"}
+    if not isinstance(tags, list) or set(tags) - {"weights", "kv_cache"}:
+        raise ValueError(f"tags must be null or a list of 'weights' and 'kv_cache', got {tags!r}")
+    return set(tags)
+
+
+# -- entry point ------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="miles serve",
+        description="Serve a HF model with the embedded engine behind SGLang's native HTTP API (/generate, "
+        "/pause_generation, /update_weights_from_distributed, ...), for machines where SGLang cannot run.",
+    )
+    parser.add_argument("--model", "--model-path", dest="model", required=True, help="HF model directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights and compute dtype")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="most requests decoded together")
+    parser.add_argument(
+        "--logprob-mode",
+        choices=["prefill", "decode"],
+        default="prefill",
+        help="prefill: rescore each response in one forward pass (the trainer's numbers); decode: the decode steps'",
+    )
+    parser.add_argument(
+        "--stop-token-ids", type=int, nargs="+", default=None, help="ids that end a response (default: the model's eos)"
+    )
+    parser.add_argument("--random-seed", type=int, default=None, help="seeds requests sent without a sampling_seed")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit status (2 for a bad model directory or option)."""
+    import uvicorn
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"miles serve: --model {args.model} is not a HF model directory (no config.json)", file=sys.stderr)  # noqa: T201
+        return 2
+    if args.random_seed is not None:
+        torch.manual_seed(args.random_seed)  # the engine draws its request seeds from torch's RNG once
+    try:
+        engine = EmbeddedEngine(
+            args.model,
+            dtype=args.dtype,
+            max_batch_size=args.max_batch_size,
+            stop_token_ids=args.stop_token_ids,
+            logprob_mode=args.logprob_mode,
+        )
+    except ValueError as err:
+        print(f"miles serve: {err}", file=sys.stderr)  # noqa: T201
+        return 2
+    app = create_app(engine, model_path=str(args.model))
+    logger.info("serving %s (%s, %s log-probs) on http://%s:%d", args.model, args.dtype, args.logprob_mode,
+                args.host, args.port)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Shared by the tests: real servers (vLLM: ``$MILES_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` from
+scripts/install_vllm.sh) and the size of the end-to-end runs.
+
+Without vLLM the vLLM tests skip, unless ``MILES_REQUIRE_VLLM=1`` (CI's vLLM step), where they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def vllm_python() -> str:
+    """The interpreter with vLLM installed; skips (or fails under MILES_REQUIRE_VLLM=1) when there is none."""
+    python = os.environ.get("MILES_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    if Path(python).is_file():
+        return python
+    message = f"vLLM not installed at {python}: run scripts/install_vllm.sh (or set MILES_VLLM_PYTHON)"
+    if os.environ.get("MILES_REQUIRE_VLLM") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+# Two small steps of the default recipe (2 prompts x 4 samples, 16 tokens, 2 x 2 eval): the end-to-end runs' size.
+SMALL_RUN = [
+    "--loop.num-steps", "2",
+    "--rollout.rollout-batch-size", "2",
+    "--rollout.n-samples-per-prompt", "4",
+    "--rollout.sampling.max-new-tokens", "16",
+    "--eval.num-prompts", "2",
+    "--eval.n-samples-per-prompt", "2",
+    "--eval.sampling.max-new-tokens", "16",
+    "--run.progress", "false",
+]  # fmt: skip
