@@ -137,3 +137,19 @@ def test_a_batch_without_any_signal_trains_nothing_and_does_not_crash(tiny_llama
     assert metrics["loss"] == 0.0 and metrics["skipped_zero_advantage_samples"] == 5  # one row kept for metrics
     assert metrics["entropy"] > 0
     assert all(torch.equal(before[k], v) for k, v in backend.full_state_dict().items())
+
+
+def test_world_size_1_fp32_is_not_wrapped_bf16_is_and_states_are_copies(tiny_llama_dir):
+    from torch.distributed.fsdp import FSDPModule
+
+    fp32 = _backend(tiny_llama_dir, lr=1e-2)
+    assert not isinstance(fp32.model, FSDPModule)  # nothing to shard or cast at 1 rank: no all-gather copies
+    assert isinstance(_backend(tiny_llama_dir, dtype="bf16").model, FSDPModule)  # its mixed-precision policy
+    state = fp32.full_state_dict()
+    params = {p.data_ptr() for p in fp32.model.parameters()}
+    assert not params & {t.data_ptr() for t in state.values()}  # copies, not the live parameters
+    tied = fp32.model.config.tie_word_embeddings
+    assert (state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()) == tied
+    before = {k: v.clone() for k, v in state.items()}
+    train_step(fp32, make_batch(), OBJECTIVE)
+    assert all(torch.equal(before[k], state[k]) for k in state)  # training did not move the returned copy

@@ -40,7 +40,11 @@ class TrainConfig(BaseModel):
         "kept within each sequence; equal results, less compute when lengths vary.",
     )
     world_size: int = Field(
-        1, ge=1, description="Data-parallel ranks (FSDP2 shards). 1 runs in-process; >1 needs torchrun/spawned ranks."
+        1,
+        ge=1,
+        description="Data-parallel ranks (FSDP2 shards). 1 trains in this process (execution.mode local); >1 needs "
+        "execution.mode ray: one Ray actor per rank, each on a CPU bundle of execution.ray.trainer_cpus_per_rank, "
+        "joined over gloo (ranks on GPU bundles are not wired into miles train yet).",
     )
     skip_nonfinite_steps: bool = Field(
         True,

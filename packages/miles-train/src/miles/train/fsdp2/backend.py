@@ -196,7 +196,8 @@ class FSDP2Backend:
         }
         micro_batches = split_micro_batches(trained, self.train_cfg.micro_batch_size) if trained.batch_size else []
         for i, mb in enumerate(micro_batches):
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once, at the end
+            if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (not an unsharded world-size-1 model)
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once, at the end
             log_probs, entropy = self._log_probs(self.model, mb, with_entropy=True)
             loss, metrics = objective.loss(mb, log_probs, entropy, counts, metrics_num_tokens=metrics_num_tokens)
             # FSDP2 averages gradients over ranks; the loss already divides by global counts, so undo it.

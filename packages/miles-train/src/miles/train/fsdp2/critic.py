@@ -109,7 +109,8 @@ class Critic:
         sums = {"loss/value": torch.zeros(()), "value_clipfrac": torch.zeros(())}
         micro_batches = split_micro_batches(batch, self.micro_batch_size)
         for i, mb in enumerate(micro_batches):
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (not an unsharded world-size-1 model)
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             loss, metrics = objective.loss(self._values(mb), mb, counts)
             (loss * self.world_size).backward()  # FSDP2 averages over ranks; the loss already uses global counts
             for name, value in metrics.items():

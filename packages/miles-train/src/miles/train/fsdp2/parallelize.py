@@ -1,4 +1,4 @@
-"""Apply FSDP2 (``fully_shard``) to an HF decoder-only model."""
+"""Apply FSDP2 (``fully_shard``) to an HF decoder-only model; a world-size-1 fp32 model is left as it is."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ def parallelize(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype)
     Order matters: inner modules are sharded first so that each layer gets its own all-gather/reduce-scatter
     group, and the root group holds only what is left (tied embedding + LM head share one parameter there).
 
+    On a 1-rank mesh with fp32 compute there is nothing to shard and nothing to cast, and FSDP2 would still
+    all-gather every layer into freshly allocated buffers for each micro-batch (twice: forward, and backward
+    after resharding) and copy the gradients through a reduce-scatter; the model is returned unwrapped instead
+    (same numerics; ``docs/performance.md``, trainer section). bf16 keeps FSDP2 for its mixed-precision policy.
+
     Args:
         model: an HF causal LM whose decoder layers are ``model.model.layers``; fp32 parameters (the master copy).
         mesh: 1-D data-parallel mesh (gloo on CPU, NCCL on GPU).
         param_dtype: dtype of the all-gathered parameters used in forward/backward; gradients are reduced and
             stored in fp32.
-    Returns: the same module, sharded in place.
+    Returns: the same module, sharded in place (or untouched: 1 rank, fp32).
     Raises: ValueError if the model has no ``model.layers``.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -26,6 +31,8 @@ def parallelize(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no .model.layers; FSDP2 parallelize supports HF decoder LMs")
+    if mesh.size() == 1 and param_dtype == torch.float32:
+        return model
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)

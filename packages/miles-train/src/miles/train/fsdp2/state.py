@@ -13,7 +13,17 @@ def full_model_state(model: nn.Module) -> dict[str, Tensor]:
     """Unsharded fp32 weights on CPU by HF name (collective: every rank must call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # An unsharded (world-size-1) model's state holds its live parameters: copy them, once per storage so that
+    # tied tensors stay tied, as FSDP2's gathered copies are.
+    live = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
+    copies: dict[int, Tensor] = {}
+    for name, tensor in state.items():
+        if tensor.data_ptr() in live:
+            if tensor.data_ptr() not in copies:
+                copies[tensor.data_ptr()] = tensor.detach().clone()
+            state[name] = copies[tensor.data_ptr()]
+    return state
 
 
 def gather_module_state(
