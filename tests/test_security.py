@@ -3,7 +3,7 @@
 ``torch.load`` must pass ``weights_only=True`` (tensors and plain containers only: a checkpoint from elsewhere
 cannot run code when loaded); ``pickle.load(s)`` is banned outright; weights are read with safetensors.
 ``eval``/``exec``/``compile`` of strings are banned: model-written text may only run in a sandboxed subprocess with
-time and memory limits (none exists yet; see docs/reliability.md).
+time and memory limits (``miles.rollout.rewards.sandbox``; see docs/reliability.md).
 """
 
 import re
@@ -27,6 +27,9 @@ RULES = [
 EXEMPT = {
     # Round-trips an object the test itself pickled one line earlier, to prove Sample crosses processes (Ray).
     ("pickle_load", "tests/core/test_sample.py"),
+    # The preamble the sandbox's child process runs: it execs the model's program there, after setting the rlimits
+    # and the audit hook (the one place model-written text runs, and never in the trainer process).
+    ("eval_or_exec", "packages/miles-rollout/src/miles/rollout/rewards/sandbox.py"),
 }
 
 

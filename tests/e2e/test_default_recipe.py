@@ -8,24 +8,16 @@ import sys
 import pytest
 import torch
 import yaml
+from servers import SMALL_RUN
 
 
 @pytest.mark.e2e
 def test_two_steps_of_the_default_recipe_write_a_complete_run_directory(smollm2_dir, tmp_path):
-    overrides = [
-        "--loop.num-steps", "2",
-        "--rollout.rollout-batch-size", "2",
-        "--rollout.n-samples-per-prompt", "4",
-        "--rollout.sampling.max-new-tokens", "16",
-        "--eval.num-prompts", "2",
-        "--eval.n-samples-per-prompt", "2",
-        "--eval.sampling.max-new-tokens", "16",
-        "--run.dir", str(tmp_path),
-        "--run.name", "e2e",
-        "--run.progress", "false",
-    ]  # fmt: skip
+    overrides = [*SMALL_RUN, "--run.dir", str(tmp_path), "--run.name", "e2e", "--run.tensorboard", "true"]
+    overrides += ["--run.wandb", "on"]  # offline: no network; W&B's own folders kept under tmp_path
     cmd = [sys.executable, "-m", "miles.recipes.cli", "train", "--recipe", "smollm2_grpo_arithmetic", *overrides]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    wandb_env = {var: str(tmp_path / var.lower()) for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **wandb_env})
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "e2e"
 
@@ -52,6 +44,20 @@ def test_two_steps_of_the_default_recipe_write_a_complete_run_directory(smollm2_
     assert json.loads((checkpoint / "run_state.json").read_text())["data_source"]["num_prompts"] == 4
     assert "optimizer" in torch.load(checkpoint / "optimizer.pt", weights_only=True)
     assert (run / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    run_id = (run / "wandb_run_id").read_text().strip()  # the values read back: tests/recipes/test_sinks.py
+    assert len(list((run / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))) == 1
+    # The same scalars in TensorBoard's event files, read back with TensorBoard's own reader (float32 there).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    for key in ("reward/mean", "loss", "grad_norm", "eval/reward"):
+        logged = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        read = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in read] == [s for s, _ in logged] and all(
+            abs(a - b) <= 1e-6 * max(1.0, abs(b)) for (_, a), (_, b) in zip(read, logged)
+        ), key
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

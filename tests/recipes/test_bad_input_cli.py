@@ -72,7 +72,7 @@ CASES = [
     pytest.param(
         GOOD + "\n" + GOOD,
         ["--data.path", "no/such.jsonl"],
-        "data.path is 'no/such.jsonl', which is not a file",
+        "data.path is 'no/such.jsonl', which does not exist",
         id="missing_data_file",
     ),
     pytest.param(
@@ -170,7 +170,7 @@ def test_train_help_lists_common_options_and_points_to_config_show(capsys):
         ),
         pytest.param(
             ["--data.eval-path", "no/eval.jsonl"],
-            "data.eval_path is 'no/eval.jsonl', which is not a file",
+            "data.eval_path is 'no/eval.jsonl', which does not exist",
             id="eval_file",
         ),
     ],
@@ -186,3 +186,21 @@ def test_missing_models_files_and_bad_plugins_validate_and_fail_at_build_naming_
     with pytest.raises(RunSetupError) as err:
         build_inputs(cfg)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_group_generate_factory_that_refuses_to_build_is_one_line_and_writes_nothing(
+    tiny_smollm2_dir, tmp_path, monkeypatch, capsys
+):
+    # Its build ran after the run directory was created, which then held a config and a log of a run that never ran.
+    (tmp_path / "refusing_factory.py").write_text(
+        "def build(context):\n    raise ValueError('this tokenizer has no chat template; pick a chat model')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "data.jsonl"
+    data.write_text(GOOD + "\n" + GOOD)
+    runs = tmp_path / "runs"
+    extra = ["--rollout.generate-path", "refusing_factory:build"]
+    assert main(["train", *_args(tiny_smollm2_dir, runs, data, *extra)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err == "miles: this tokenizer has no chat template; pick a chat model\n", err
+    assert not runs.exists()

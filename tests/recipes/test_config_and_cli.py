@@ -1,10 +1,8 @@
-import typing
-
 import pytest
 import yaml
 from miles.recipes.cli import main, resolve_config
 from miles.recipes.config import MilesConfig
-from miles.recipes.overrides import apply_overrides, parse_overrides
+from miles.recipes.overrides import _section_members, apply_overrides, parse_overrides
 from miles.recipes.registry import load_recipe, recipe_names
 from pydantic import BaseModel
 
@@ -63,14 +61,30 @@ def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
             r"model \[--model\]: unknown key.*the flat layout of an older Miles; it is now models.policy",
             id="flat_layout_flag",
         ),
-        pytest.param(["--engine.type", "vllm"], "engine.type must be one of embedded", id="unimplemented_engine"),
+        pytest.param(
+            ["--engine.type", "tgi"], "engine.type must be one of embedded, vllm, sglang", id="unknown_engine"
+        ),
+        pytest.param(
+            ["--engine.type", "vllm", "--engine.max-batch-size", "8"],
+            r"engine.max_batch_size \[--engine.max-batch-size\]: unknown key; valid keys here: dtype, num_servers",
+            id="embedded_key_on_a_server_engine",
+        ),
         pytest.param(
             ["--engine.dtyp", "bf16"],
             r"engine.dtyp \[--engine.dtyp\]: unknown key; valid keys here: type, dtype",
             id="unknown_engine_key",
         ),
-        pytest.param(["--execution.mode", "ray"], r"execution.mode \[--execution.mode\]", id="ray_not_yet"),
-        pytest.param(["--loop.mode", "fully_async"], r"loop.mode \[--loop.mode\]", id="async_not_yet"),
+        pytest.param(["--execution.mode", "ray"], "engine.type is 'embedded'", id="ray_with_the_embedded_engine"),
+        pytest.param(
+            ["--loop.max-weight-staleness", "2"],
+            r"loop.max_weight_staleness is 2 but loop.mode is 'sync'; .*--loop.mode fully_async",
+            id="staleness_without_async",
+        ),
+        pytest.param(
+            ["--loop.mode", "one_step_off", "--algorithm.dynamic-sampling.max-rounds", "2"],
+            r"loop.mode is 'one_step_off' but algorithm.dynamic_sampling is on",
+            id="async_with_dynamic_sampling",
+        ),
         pytest.param(
             ["--algorithm.kl.estimator", "k1"],
             r"algorithm.kl.coef \[--algorithm.kl.coef\]: Field required",
@@ -115,17 +129,17 @@ def _fields(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
     fields = {}
     for name, field in model.model_fields.items():
         fields[prefix + name] = field
-        annotation = field.annotation
-        sections = [annotation] if isinstance(annotation, type) else typing.get_args(annotation)
-        for section in sections:
-            if isinstance(section, type) and issubclass(section, BaseModel):
-                fields |= _fields(section, prefix + name + ".")
+        for section in _section_members(field.annotation):
+            fields |= _fields(section, prefix + name + ".")
     return fields
 
 
 def test_every_config_field_is_described():
     fields = _fields(MilesConfig)
-    assert {"algorithm.kl.coef", "models.critic.value_clip", "models.teacher.path", "engine.dtype"} <= fields.keys()
+    assert {
+        "algorithm.kl.coef", "models.critic.value_clip", "models.teacher.path", "engine.dtype", "engine.max_model_len",
+        "engine.router",
+    } <= fields.keys()  # fmt: skip
     assert [key for key, field in fields.items() if not field.description] == []
 
 
@@ -358,7 +372,10 @@ def test_config_show_prints_the_description_of_every_field_on_or_off(name, capsy
     assert main(["config", "show", name]) == 0
     comments = [line.strip().removeprefix("# ") for line in capsys.readouterr().out.splitlines() if "# " in line]
     text = " ".join(comments)
-    missing = [key for key, field in _fields(MilesConfig).items() if field.description not in text]
+    engine = type(resolve_config(name, []).engine)  # the other engine kinds are not shown
+    fields = {k: f for k, f in _fields(MilesConfig).items() if not k.startswith("engine.")}
+    fields |= {f"engine.{k}": f for k, f in engine.model_fields.items()}
+    missing = [key for key, field in fields.items() if field.description not in text]
     assert missing == []
 
 
@@ -371,3 +388,16 @@ def test_config_show_takes_the_recipe_as_train_does(capsys):
     assert "estimator: grpo" in capsys.readouterr().out  # smollm2_grpo_arithmetic, train's default
     assert main(["config", "show", "smollm2_ppo_arithmetic", "--recipe", "smollm2_sft_arithmetic"]) == 2
     assert "give the recipe once" in capsys.readouterr().err
+
+
+def test_changing_a_sections_type_drops_the_recipes_keys_for_the_old_type_in_any_order():
+    recipe = {"engine": {"type": "embedded", "dtype": "bf16", "max_batch_size": 64, "logprob_mode": "decode"}}
+    for overrides in (
+        {"engine.num_servers": 2, "engine.type": "vllm"},
+        {"engine.type": "vllm", "engine.num_servers": 2},
+    ):
+        assert apply_overrides(recipe, overrides) == {"engine": {"type": "vllm", "num_servers": 2}}
+    # the same type keeps the recipe's keys
+    assert apply_overrides(recipe, {"engine.type": "embedded"}) == recipe
+    config = resolve_config("smollm2_grpo_arithmetic", ["--engine.num-servers", "2", "--engine.type", "vllm"])
+    assert (config.engine.type, config.engine.num_servers, config.engine.host) == ("vllm", 2, "127.0.0.1")

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,6 +77,28 @@ def _wait_for(path: Path, process, timeout_s=300.0):
         time.sleep(0.05)
 
 
+class _LineReader:
+    """Reads a process's stream in a thread, so a test can wait for a line while the process runs."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
+        self._thread.start()
+
+    def wait_for(self, text: str, process, timeout_s=60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in list(self.lines)):
+            assert process.poll() is None, self.text()[-3000:]
+            assert time.monotonic() < deadline, f"no line with {text!r} in: {self.text()[-3000:]}"
+            time.sleep(0.05)
+
+    def text(self, timeout_s: float | None = None) -> str:
+        """What was read; with ``timeout_s``, all of it (waits for EOF)."""
+        if timeout_s is not None:
+            self._thread.join(timeout_s)
+        return "".join(self.lines)
+
+
 def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -126,10 +149,14 @@ def test_two_ctrl_c_abandon_the_step_and_a_run_without_checkpoint_can_be_restart
     args = _overrides(tiny_smollm2_dir, tmp_path, "abandoned")
     process = _start(args, tmp_path, slow_step=0, sleep_s=120)
     _wait_for(tmp_path / "marker", process)
+    reader = _LineReader(process.stderr)
     process.send_signal(signal.SIGINT)
-    time.sleep(0.5)
+    # The second Ctrl-C once the first was handled: CPython runs a handler once for signals that arrive before it
+    # runs (a gen-2 GC in another thread can hold the GIL that long), so a fixed pause raced on a loaded machine.
+    reader.wait_for("SIGINT: finishing the current step", process)
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)  # the 120 s sleep was cut short
+    process.wait(timeout=60)  # the 120 s sleep was cut short
+    stderr = reader.text(timeout_s=10)
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == (

@@ -10,6 +10,8 @@ from miles.recipes.cli import resolve_config
 from miles.recipes.registry import load_recipe, merge_recipe, recipe_names
 
 FLAT = yaml.safe_load((Path(__file__).parent / "flat_resolved_configs.yaml").read_text())
+# Shipped recipes added after the nested config: they have no flat predecessor.
+NESTED_ONLY = {"smollm2_grpo_multiturn_calculator", "smollm2_grpo_code"}
 
 
 def _nested(flat: dict) -> dict:
@@ -68,14 +70,35 @@ def _nested(flat: dict) -> dict:
             "penalty_factor": a["overlong_penalty_factor"],
         },
         "reward_post_process_path": a["reward_post_process_path"],
+        "buffer_filter_path": "",  # added later, like the other extension points below: off
     }
-    tree["execution"] = {"mode": "local"}
-    tree["loop"] = {"mode": "sync", **flat["loop"]}
+    # Added after the flat layout, at their defaults: resubmits, the generate plugin key, the multi-turn section.
+    multi_turn = {"max_turns": 4, "max_response_tokens": 256, "tool_timeout_s": 30.0}
+    multi_turn |= {"tools": ["miles.rollout.calculator:calculator"]}
+    multi_turn |= {"few_shot": [], "chat_template_kwargs": {}}
+    multi_turn |= {"agent_path": ""}  # rollout.multi_turn.agent_path: added later, no agent
+    tree["rollout"] = {**flat["rollout"], "max_resubmits": 2, "generate_path": "", "multi_turn": multi_turn}
+    tree["rollout"] |= {"rollout_path": "", "sample_hook_path": ""}
+    tree["data"] = {**flat["data"], "source_path": "", "mixture": []}  # data.mixture: added later, empty
+    tree["eval"] = {**flat["eval"], "path": "", "pass_k": [1], "pass_threshold": 1.0, "sets": []}
+    ray = {"address": None, "num_cpus": None, "log_to_driver": True, "namespace": None}
+    ray |= {"trainer_cpus_per_rank": 1.0, "placement_strategy": "PACK", "max_trainer_restarts": 0}
+    tree["execution"] = {"mode": "local", "ray": ray}  # execution.ray: added after the flat layout, at its defaults
+    async_defaults = {"max_weight_staleness": None, "partial_rollout": False, "mask_stale_segments": False}
+    tree["loop"] = {"mode": "sync", **async_defaults, **flat["loop"]}  # the async loops' fields, at their defaults
+    tree["reward"] = {**flat["reward"], "workers": 0, "memory_limit_mib": None}  # the reward pool's, at defaults
+    tree["engine"] = {**flat["engine"], "delta_weights": False}  # delta weight updates: added later, off
+    tree["run"] = {**flat["run"], "tensorboard": False, "wandb": None}  # TensorBoard, W&B: added later, off
+    tree["reward"] |= {"group_path": ""}
+    code = {"time_limit_s": 5.0, "memory_limit_mib": 1024}  # reward.type code and remote: added later, at defaults
+    remote = {"url": "", "score_key": "score", "timeout_s": 30.0, "max_retries": 3, "backoff_s": 0.5}
+    tree["reward"] |= {"code": code, "remote": remote}
+    tree["run"] |= {"hooks": [], "sinks": []}
     return tree
 
 
 def test_the_flat_snapshot_covers_every_shipped_recipe():
-    assert sorted(FLAT) == recipe_names()
+    assert sorted(FLAT) == sorted(set(recipe_names()) - NESTED_ONLY)
 
 
 @pytest.mark.parametrize("name", sorted(FLAT))

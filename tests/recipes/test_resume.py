@@ -1,6 +1,8 @@
 """Exact resume: `miles train` 4 steps straight equals 2 steps + `--resume` + 2 steps (tiny model, fixed seeds);
-resuming at an epoch boundary trains exactly the remaining steps on the next epoch's order; `miles export`."""
+resuming at an epoch boundary trains exactly the remaining steps on the next epoch's order; a resumed fully async run
+trains each prompt once; `miles export`."""
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -9,7 +11,8 @@ import torch
 import yaml
 from doubles import CountingPublisher, FakeBackend, NullSink
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
-from miles.core.loop import Components, train_sync
+from miles.core.loop import Components, train
+from miles.core.producer import PromptQueue
 from miles.core.sample import Sample, SampleStatus
 from miles.recipes.checkpoint import read_latest, restore_run_checkpoint, save_run_checkpoint
 from miles.recipes.cli import main
@@ -84,6 +87,23 @@ def test_two_steps_then_resume_then_two_steps_equal_four_steps_straight(tiny_smo
     assert main(["export", "--checkpoint", str(tmp_path / "split" / "checkpoints" / "step_4"), "--out", str(out)]) == 2
 
 
+def test_miles_train_fully_async_at_staleness_0_resumed_equals_the_sync_run(tiny_smollm_dir, tmp_path, monkeypatch):
+    """`miles train --loop.mode fully_async --loop.max-weight-staleness 0`, 2 steps + --resume + 2 steps: the run
+    wiring (prompt queue in checkpoints, the producer's start step, the weight version) reproduces 4 sync steps."""
+    asynchronous = ["--loop.mode", "fully_async", "--loop.max-weight-staleness", "0"]
+    _train(_overrides(tiny_smollm_dir, tmp_path, "sync", 4), tmp_path, monkeypatch)
+    _train([*_overrides(tiny_smollm_dir, tmp_path, "async", 2), *asynchronous], tmp_path, monkeypatch)
+    state = json.loads((tmp_path / "async" / "checkpoints" / "step_2" / "run_state.json").read_text())
+    assert set(state["data_source"]) == {"source", "untrained"}
+    _train(
+        ["--run.dir", str(tmp_path), "--run.name", "async", "--resume", "--loop.num-steps", "4"], tmp_path, monkeypatch
+    )
+    sync, resumed = _metrics(tmp_path / "sync"), _metrics(tmp_path / "async")
+    for key in ("loss", "reward/mean", "grad_norm", "weight_version", "response_length/mean"):
+        assert [r[key] for r in resumed] == [r[key] for r in sync], key
+    assert [r["staleness/max"] for r in resumed] == [0.0] * 4
+
+
 def test_resume_of_a_run_that_does_not_exist_is_a_clear_error(tmp_path, capsys):
     assert main(["train", "--resume", "--run.dir", str(tmp_path), "--run.name", "nothing"]) == 2
     assert "there is no run 'nothing' under" in capsys.readouterr().err
@@ -127,7 +147,7 @@ def _epoch_run(data_file, checkpoints, *, num_steps, resume):
         data_source=source, rollout_fn=rollout, reward_fn=lambda s: float(s.tokens[-1] % 2), backend=backend,
         publisher=pusher, sink=NullSink(), save_checkpoint=save,
     )  # fmt: skip
-    train_sync(
+    train(
         components,
         loop=LoopConfig(num_steps=num_steps, save_interval=60),
         rollout=RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2),
@@ -165,3 +185,77 @@ def test_resuming_a_run_an_older_miles_wrote_in_the_flat_layout_is_one_line_nami
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("miles: --resume: "), err
         assert "was written by an older Miles (flat config layout: model.path is now models.policy.path)" in err
+
+
+class TrainedRows(PromptQueue):
+    """A ``PromptQueue`` recording the data rows of the prompts each step trained, in order."""
+
+    def __init__(self, source):
+        super().__init__(source)
+        self.rows = []
+
+    def mark_trained(self, group_indices):
+        with self._lock:
+            self.rows += [self._untrained[i].metadata["data_index"] for i in group_indices]
+        super().mark_trained(group_indices)
+
+
+def _async_run(data_file, checkpoints, *, num_steps, resume, stop_after=None):
+    """fully_async (bound 2) over 60 rows, 2 prompts per step: groups finish out of order (row-dependent delays), so
+    a checkpoint meets prompts in flight and in the buffer."""
+    queue = TrainedRows(FileSource(data_file, seed=3))
+    backend, pusher = FakeBackend(), CountingPublisher()
+    start = 0
+    if resume:
+        state = restore_run_checkpoint(read_latest(checkpoints), backend=backend, data_source=queue)
+        start, pusher.version = state.step, state.weight_version
+
+    async def generate_group(prompt, *, n, sampling, seeds, on_finished=None):
+        await asyncio.sleep(0.002 * (prompt.metadata["data_index"] % 7))
+        return [
+            Sample(index=k, group_index=prompt.group_index, prompt=prompt.prompt, tokens=[1, 3 + k],
+                   response_length=1, rollout_log_probs=[-1.0], status=SampleStatus.COMPLETED,
+                   weight_versions=[pusher.version])
+            for k in range(n)
+        ]  # fmt: skip
+
+    def save(step):
+        save_run_checkpoint(checkpoints, step, backend=backend, data_source=queue, weight_version=pusher.version)
+
+    steps = {"done": start}
+
+    def should_stop():
+        return stop_after is not None and steps["done"] >= stop_after
+
+    def count(metrics, step):
+        steps["done"] = step
+
+    sink = NullSink()
+    sink.log = count
+    components = Components(
+        data_source=queue, rollout_fn=None, generate_group=generate_group, reward_fn=lambda s: float(s.tokens[-1] % 2),
+        backend=backend, publisher=pusher, sink=sink, save_checkpoint=save, should_stop=should_stop,
+    )  # fmt: skip
+    done = train(
+        components,
+        loop=LoopConfig(mode="fully_async", max_weight_staleness=2, num_steps=num_steps, save_interval=0),
+        rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2),
+        algorithm=AlgorithmConfig(),
+        evaluation=EvalConfig(num_prompts=0),
+        start_step=start,
+    )
+    return queue, done, pusher
+
+
+def test_a_resumed_async_run_neither_skips_nor_repeats_prompts_that_sat_in_the_buffer(tmp_path):
+    data_file = tmp_path / "rows.jsonl"
+    data_file.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(60)))
+    first, done, _ = _async_run(data_file, tmp_path / "split", num_steps=30, resume=False, stop_after=13)
+    assert done == 13 and len(first.rows) == 26
+    state = json.loads((tmp_path / "split" / "step_13" / "run_state.json").read_text())
+    untrained = [p["metadata"]["data_index"] for p in state["data_source"]["untrained"]]
+    assert untrained and not set(untrained) & set(first.rows)  # generated ahead, not trained: stored to serve again
+    second, done, pusher = _async_run(data_file, tmp_path / "split", num_steps=30, resume=True)
+    assert done == 30 and pusher.version == 30  # the weight version continues from the checkpoint's 13
+    assert len(second.rows) == 34
+    assert sorted(first.rows + second.rows) == list(range(60))  # one epoch: every row trained exactly once

@@ -1,5 +1,6 @@
 """The ``miles`` command: ``miles train --recipe NAME [--section.key value ...]``, ``miles train --resume [PATH]``,
-``miles export --checkpoint DIR --out DIR``, ``miles recipes list``, ``miles config show NAME``."""
+``miles export --checkpoint DIR --out DIR``, ``miles recipes list``, ``miles config show NAME``,
+``miles serve --model PATH [--port N ...]``."""
 
 from __future__ import annotations
 
@@ -153,6 +154,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start --run.name over: delete its checkpoints and metrics (once the new run is built)",
     )
+    evaluation = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint (or a recipe's model) on the eval sets, without training",
+        description="Evaluate a checkpoint's policy, or a recipe's models.policy.path, on the default eval set and "
+        "every eval.sets entry, with the run's reward; prints the metrics as JSON. With --checkpoint the config is "
+        "the one stored in the checkpoint (unless --recipe is given), overrides on top.",
+        usage="miles eval [--checkpoint runs/NAME/checkpoints/step_N] [--recipe NAME] [--out FILE.json] "
+        "[--section.key VALUE ...]",
+    )
+    evaluation.add_argument("--checkpoint", default=None, help="runs/<name>/checkpoints/step_N")
+    evaluation.add_argument("--recipe", default=None, help=f"shipped recipe name or YAML path ({DEFAULT_RECIPE})")
+    evaluation.add_argument("--out", default=None, help="also write the metrics to this JSON file")
     export = sub.add_parser("export", help="write a checkpoint's model as a plain HF directory (safetensors)")
     export.add_argument("--checkpoint", required=True, help="runs/<name>/checkpoints/step_N")
     export.add_argument("--out", required=True, help="new directory to create")
@@ -169,7 +182,17 @@ def main(argv: list[str] | None = None) -> int:
     config.add_argument("action", choices=["show"])
     config.add_argument("recipe", nargs="?", default=None, help=f"shipped recipe name or YAML path ({DEFAULT_RECIPE})")
     config.add_argument("--recipe", dest="recipe_flag", default=None, help="the same as the positional RECIPE")
+    # Its options are miles.rollout.serve's own (miles serve --help), handed over unparsed.
+    sub.add_parser(
+        "serve",
+        help="serve a model with the embedded engine behind SGLang's HTTP API (miles serve --help)",
+        add_help=False,
+    )
     args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        from miles.rollout.serve import main as serve
+
+        return serve(rest)
     _setup_logging()
 
     from miles.recipes.registry import recipe_description, recipe_names
@@ -180,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "export":
         return _export(args.checkpoint, args.out, rest)
+    if args.command == "eval":
+        return _eval(args.checkpoint, args.recipe, args.out, rest)
     recipe = args.recipe
     if args.command == "config":
         if args.recipe is not None and args.recipe_flag is not None:
@@ -202,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(documented_yaml(cfg))  # noqa: T201
         return 0
     from miles.recipes.checkpoint import load_run_state, read_latest
-    from miles.recipes.run import RunSetupError, run
+    from miles.recipes.run import RunFailed, RunSetupError, run
 
     if resume is None:
         name = cfg.run.name or f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -232,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run(cfg, run_dir, resume_from=checkpoint, replace_existing=overwrite or restart)
     except RunSetupError as err:
         return _fail(err)
+    except RunFailed as err:  # one line, no traceback (train.log has it); status 1: not a usage error
+        _print_safely(f"miles: {err}. Continue with: {continue_cmd}")
+        return 1
     except KeyboardInterrupt:
         if not (run_dir / "config.yaml").is_file():  # still building: nothing was written
             _print_safely("\nmiles: interrupted before the run started; nothing was written")
@@ -291,6 +319,55 @@ def _with_run_name(cfg: Any, name: str) -> Any:
 
 def _dir_flag(run_dir: Path) -> str:
     return "" if run_dir.parent == Path("runs") else f" --run.dir {run_dir.parent}"
+
+
+def resolve_eval_config(checkpoint: str | None, recipe: str | None, override_args: list[str]) -> Any:
+    """The config ``miles eval`` evaluates: the checkpoint's stored one (or ``recipe``'s, when given) with the
+    overrides on top, and with a checkpoint its ``model/`` as ``models.policy.path``.
+
+    Raises: ValueError naming the flag and the fix.
+    """
+    if checkpoint is None:
+        return resolve_config(recipe or DEFAULT_RECIPE, override_args)
+    path = Path(checkpoint)
+    model = path / "model"
+    if not (model / "config.json").is_file():
+        raise ValueError(
+            f"--checkpoint {checkpoint}: no model/config.json there; pass a runs/<name>/checkpoints/step_N directory"
+        )
+    if recipe is not None:
+        cfg = resolve_config(recipe, override_args)
+    elif (path / "config.yaml").is_file():
+        cfg = _validate(_recorded(path / "config.yaml"), override_args)
+    else:
+        raise ValueError(f"--checkpoint {checkpoint}: no config.yaml there; pass --recipe NAME with it")
+    models = cfg.models.model_copy(update={"policy": cfg.models.policy.model_copy(update={"path": str(model)})})
+    return cfg.model_copy(update={"models": models})
+
+
+def _eval(checkpoint: str | None, recipe: str | None, out: str | None, rest: list[str]) -> int:
+    import json
+    import math
+    import tempfile
+
+    from miles.recipes.checkpoint import write_atomic
+    from miles.recipes.run import RunSetupError, evaluate_model
+
+    try:
+        cfg = resolve_eval_config(checkpoint, recipe, rest)
+    except ValueError as err:
+        return _fail(err)
+    with tempfile.TemporaryDirectory(prefix="miles-eval-") as logs:
+        try:
+            metrics = evaluate_model(cfg, log_dir=Path(logs))
+        except RunSetupError as err:
+            return _fail(err)
+    finite = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
+    text = json.dumps({"model": cfg.models.policy.path, **finite}, indent=2)  # NaN (nothing scored) as null
+    print(text)  # noqa: T201 - CLI output
+    if out is not None:
+        write_atomic(Path(out), text + "\n")
+    return 0
 
 
 def _export(checkpoint: str, out: str, rest: list[str]) -> int:

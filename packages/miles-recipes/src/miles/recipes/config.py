@@ -4,8 +4,9 @@ validates on a laptop; ``miles.recipes.run.build_inputs`` checks files, models a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from miles.core.algorithms.config import ON_OFF
 from miles.core.algorithms.registry import POLICY_LOSSES
 from miles.core.config import (
     AlgorithmConfig,
@@ -17,9 +18,35 @@ from miles.core.config import (
     check_group_size,
     check_models,
 )
-from miles.rollout.config import DataConfig, EmbeddedEngineConfig, EngineConfig, RewardConfig
+from miles.core.plugins import check_plugin_path
+from miles.rollout.config import (
+    MIXTURE_REPLACES,
+    DataConfig,
+    EmbeddedEngineConfig,
+    EngineConfig,
+    RewardConfig,
+    check_engine_health_settings,
+)
 from miles.train.config import TrainConfig
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class WandbConfig(BaseModel):
+    """A Weights & Biases run fed the same metrics as metrics.jsonl (``miles.recipes.sinks.WandbSink``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    project: str = Field("miles", description="W&B project the run is logged to.")
+    name: str = Field("", description="W&B run display name; empty = the run directory's name (run.name).")
+    group: str = Field("", description="W&B group, to compare runs of one sweep together; empty = no group.")
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline (the default): write the W&B run files only, no network or account needed; upload "
+        "later with `wandb sync <dir>/wandb/offline-run-*`. online: stream to the W&B server (needs `wandb login` "
+        "or WANDB_API_KEY).",
+    )
+    dir: str = Field(
+        "", description="Directory W&B writes its wandb/ folder into; empty = the run directory (recommended)."
+    )
 
 
 class RunConfig(BaseModel):
@@ -32,6 +59,37 @@ class RunConfig(BaseModel):
         0, ge=0, description="torch intra-op threads; 0 = one per core. Use 1 when another job shares the cores."
     )
     progress: bool = Field(True, description="Show a console progress bar with the key metrics.")
+    tensorboard: bool = Field(
+        False,
+        description="Also write every metric as a TensorBoard scalar under <run dir>/tensorboard/ (same names as "
+        "metrics.jsonl; `tensorboard --logdir runs`). Needs pip install 'miles-recipes[tensorboard]' (the "
+        "workspace has it).",
+    )
+    wandb: Annotated[WandbConfig | None, ON_OFF] = Field(
+        None,
+        description="Also log every metric (same names as metrics.jsonl) and the resolved config to a Weights & "
+        "Biases run; null (the default) = off. --run.wandb on turns it on with the defaults below, any "
+        "--run.wandb.KEY VALUE too. The W&B run id is kept in <run dir>/wandb_run_id, so --resume continues the "
+        "same W&B run; W&B ignores steps below the last one it has (online: the steps a crashed run logged past "
+        "its checkpoint keep their first values). Needs pip install 'miles-recipes[wandb]' (the workspace has it).",
+    )
+    hooks: list[str] = Field(
+        default_factory=list,
+        description="module:attr of train-hook factories (context: miles.core.protocols.RunContext) -> an object "
+        "with any of on_rollout_end(step, samples), on_train_step_end(step, metrics), on_save(step, path).",
+    )
+    sinks: list[str] = Field(
+        default_factory=list,
+        description="module:attr of metrics-sink factories (context: RunContext) -> an object with log(metrics, "
+        "step) and close(), fed the same records as metrics.jsonl.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        for key in ("hooks", "sinks"):
+            for i, path in enumerate(getattr(self, key)):
+                check_plugin_path(f"run.{key}[{i}]", path, f"my_pkg.tracking:build_{key[:-1]}")
+        return self
 
 
 class MilesConfig(BaseModel):
@@ -61,13 +119,69 @@ class MilesConfig(BaseModel):
                 f"{self.data.source!r}: that scorer needs reasoning-gym entries as labels. "
                 "Set --reward.type math (for GSM8K-style answers) or custom."
             )
-        if self.train.world_size != 1:
-            raise ValueError(
-                f"train.world_size is {self.train.world_size}; the `miles train` loop runs FSDP2 in-process with "
-                "world size 1 (world size 2 is exercised by the backend tests with spawned gloo ranks). "
-                "Set --train.world-size 1."
-            )
+        for i, component in enumerate(self.data.mixture):
+            if self.reward.type == "reasoning_gym" and component.source != "reasoning_gym":
+                raise ValueError(
+                    f"reward.type is 'reasoning_gym' but data.mixture[{i}].source ({component.name}) is "
+                    f"{component.source!r}: that scorer needs reasoning-gym entries as labels. Set --reward.type "
+                    "custom with a reward that scores each dataset its own way (sample.metadata['dataset'] names it)."
+                )
+        self._check_execution()
+        self._check_loop()
+        for i in range(len(self.eval.sets)):
+            eval_set_data(self, i)  # each named eval set's data section validates
         return self
+
+    def _check_loop(self) -> None:
+        """Refuse an asynchronous loop with parts it cannot run ahead: SFT (nothing is generated) and dynamic
+        sampling (its rounds need the whole step's rewards before generating more)."""
+        mode = self.loop.mode
+        if mode == "sync":
+            return
+        if self.rollout.mode == "sft":
+            raise ValueError(
+                f"loop.mode is {mode!r} but rollout.mode is 'sft': supervised fine-tuning generates nothing to "
+                "overlap with training. Set --loop.mode sync."
+            )
+        if self.algorithm.dynamic_sampling is not None:
+            raise ValueError(
+                f"loop.mode is {mode!r} but algorithm.dynamic_sampling is on, which the asynchronous loops do not "
+                "support yet. Set --loop.mode sync, or --algorithm.dynamic-sampling null."
+            )
+        if self.rollout.rollout_path:
+            raise ValueError(
+                f"loop.mode is {mode!r} but rollout.rollout_path is {self.rollout.rollout_path!r}: a rollout function "
+                "generates a whole step at once, and the asynchronous loops generate one prompt's group at a time. "
+                "Set --loop.mode sync, or give a group-generate factory with --rollout.generate-path."
+            )
+
+    def _check_execution(self) -> None:
+        """Refuse a trainer world size the execution mode cannot run, and Ray execution without a server engine."""
+        execution, world_size = self.execution, self.train.world_size
+        if world_size != 1 and execution.mode == "local":
+            raise ValueError(
+                f"train.world_size is {world_size} but execution.mode is 'local', which trains in this one process "
+                f"(world size 1). Set --execution.mode ray to run {world_size} FSDP2 ranks as Ray actors (with a "
+                "server engine: --engine.type sglang --engine.server miles on CPU), or --train.world-size 1."
+            )
+        check_engine_health_settings(self.engine, execution_mode=execution.mode)
+        if execution.mode != "ray":
+            return
+        if self.engine.type == "embedded":
+            raise ValueError(
+                "execution.mode is 'ray' but engine.type is 'embedded': the embedded engine lives in the driver "
+                "process and its in-process weight transfer cannot reach it from the trainer's rank-0 actor. Use a "
+                "server engine: --engine.type sglang --engine.server miles (CPU; --engine.type vllm or sglang on "
+                "GPU), or --execution.mode local."
+            )
+        ray, cpus = execution.ray, world_size * execution.ray.trainer_cpus_per_rank
+        if ray.num_cpus is not None and cpus > ray.num_cpus:
+            raise ValueError(
+                f"execution.ray.num_cpus is {ray.num_cpus}, but the trainer's bundles need train.world_size x "
+                f"execution.ray.trainer_cpus_per_rank = {world_size} x {ray.trainer_cpus_per_rank:g} = {cpus:g} CPUs, "
+                f"so they could never be placed. Set --execution.ray.num-cpus {cpus:g} (or more; logical CPUs may "
+                "exceed the cores), or lower --execution.ray.trainer-cpus-per-rank."
+            )
 
     def _check_algorithm(self) -> None:
         """Refuse algorithm settings that would silently do nothing with this rollout shape or these models."""
@@ -88,6 +202,13 @@ class MilesConfig(BaseModel):
                 f"algorithm.overlong.buffer_len is {buffer_len}, longer than rollout.sampling.max_new_tokens "
                 f"{max_len}: the penalty ramp must fit inside the length limit. Set --algorithm.overlong.buffer-len "
                 f"to at most {max_len} (DAPO: a quarter of it)."
+            )
+        if self.rollout.mode == "multi_turn" and buffer_len:
+            raise ValueError(
+                f"algorithm.overlong.buffer_len is {buffer_len} but rollout.mode is 'multi_turn': the soft overlong "
+                "penalty ramps up toward rollout.sampling.max_new_tokens, which bounds one turn, while a multi-turn "
+                "response (tool results included) runs up to rollout.multi_turn.max_response_tokens, so it would "
+                "punish responses that are not overlong. Set --algorithm.overlong.buffer-len 0."
             )
 
 
@@ -148,3 +269,22 @@ def flat_layout_key(raw: dict[str, Any]) -> str | None:
             if f"algorithm.{key}" in RENAMED_KEYS and key not in AlgorithmConfig.model_fields:
                 return f"algorithm.{key}"
     return None
+
+
+def eval_set_data(cfg: MilesConfig, index: int) -> DataConfig:
+    """The data section of ``eval.sets[index]``: the run's ``data`` with the set's ``data`` keys on top; a set that
+    gives a source key (source, task, path, ...) replaces the run's ``data.mixture`` with that one source.
+
+    Raises: ValueError naming ``eval.sets[index].data`` and the first bad key.
+    """
+    overrides = cfg.eval.sets[index].data
+    base = cfg.data.model_dump()
+    if "mixture" not in overrides and any(key in MIXTURE_REPLACES for key in overrides):
+        base["mixture"] = []  # a set naming its own source evaluates on that source, not on the run's mixture
+    try:
+        return DataConfig.model_validate({**base, **overrides})
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        key = f"eval.sets[{index}].data" + (f".{where}" if where else "")
+        raise ValueError(f"{key}: {first['msg']}") from None

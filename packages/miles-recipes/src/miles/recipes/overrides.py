@@ -37,11 +37,14 @@ def apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[s
     """A copy of ``config`` with each dotted key set (intermediate sections are created).
 
     A key inside a section that is off (``null``, or absent with a null default) turns it on, the other fields at
-    their defaults: ``--algorithm.kl.coef 0.1``; ``--algorithm.kl null`` turns it off again. Unknown keys are kept
-    so that validation reports them with the allowed names.
+    their defaults: ``--algorithm.kl.coef 0.1``; ``--algorithm.kl null`` turns it off again. Changing a section's
+    ``type`` (``--engine.type vllm``) starts that section afresh: the keys written for the old type are dropped,
+    and the section's other overrides apply on top, whatever their order. Unknown keys are kept so that
+    validation reports them with the allowed names.
     """
     result = copy.deepcopy(config)
-    for dotted, value in overrides.items():
+    type_first = sorted(overrides.items(), key=lambda item: item[0].rsplit(".", 1)[-1] != "type")
+    for dotted, value in type_first:
         node = result
         *parents, leaf = dotted.split(".")
         for part in parents:
@@ -52,6 +55,8 @@ def apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[s
                 raise ValueError(f"--{dotted}: {part!r} is a value, not a section")
             node[part] = child
             node = child
+        if leaf == "type" and parents and node.get("type", value) != value:
+            node.clear()
         node[leaf] = value
     return result
 
@@ -92,7 +97,10 @@ def _section_members(annotation: Any) -> list[type[BaseModel]]:
     members of a union of sections (the engine)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
-    return [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    members: list[type[BaseModel]] = []
+    for arg in typing.get_args(annotation):  # through Annotated[...] and unions of Annotated members
+        members += [m for m in _section_members(arg) if m not in members]
+    return members
 
 
 def section_class(annotation: Any) -> type[BaseModel] | None:
@@ -128,8 +136,9 @@ def _type_tag(section: type[BaseModel]) -> str | None:
 def documented_yaml(config: BaseModel, indent: int = 0, prefix: str = "") -> str:
     """YAML of a config with each field's description as a comment above it (``miles config show``).
 
-    A section that is off prints as ``null`` followed by its fields (defaults, or ``<required>``) as comments,
-    so every field is shown and the output still loads as the config.
+    A section that is off prints as ``null`` followed by its fields (defaults, or ``<required>``) as comments, and a
+    list of sections (``data.mixture``) prints its entries followed by an entry's fields the same way, so every field
+    is shown and the output still loads as the config.
     """
     lines = []
     pad = " " * indent
@@ -143,6 +152,10 @@ def documented_yaml(config: BaseModel, indent: int = 0, prefix: str = "") -> str
         elif value is None and section_class(field.annotation) is not None:
             flag = "--" + f"{prefix}{name}".replace("_", "-")
             lines.append(f"{pad}{name}: null  # off; {flag}.KEY VALUE turns it on, the other keys at these defaults")
+            lines.append(_documented_defaults(section_class(field.annotation), indent + 2))
+        elif isinstance(value, list) and section_class(field.annotation) is not None:  # data.mixture, eval.sets
+            lines.append(pad + _dumped(name, value))
+            lines.append(f"{pad}  # each entry's keys, at their defaults:")
             lines.append(_documented_defaults(section_class(field.annotation), indent + 2))
         else:
             lines.append(pad + _dumped(name, value))
@@ -177,7 +190,9 @@ def _dumped(name: str, value: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """JSON-like Python values (tuples -> lists) for YAML dumping."""
+    """JSON-like Python values (tuples -> lists, sections in a list such as data.mixture -> dicts) for YAML dumping."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     if isinstance(value, dict):

@@ -5,30 +5,47 @@ Validation is pure; everything that reads the disk or imports user code is check
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import logging
 import logging.handlers
 import os
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
 from miles.core.algorithms.config import load_algorithm_plugins
-from miles.core.loop import Components, train_sync
+from miles.core.loop import Components, train
 from miles.core.plugins import load_plugin
-from miles.core.protocols import DataSource, RewardFn
+from miles.core.producer import PromptQueue
+from miles.core.protocols import DataContext, DataSource, MetricsSink, RewardFn, RunContext, TrainBackend
 from miles.core.rewards import TimeLimitedReward
+from miles.core.rng import capture_rng_state, restore_rng_state
 from miles.recipes.checkpoint import restore_run_checkpoint, save_run_checkpoint, write_atomic
 from miles.recipes.config import MilesConfig
 from miles.recipes.interrupts import StopRequest
 from miles.recipes.registry import check_model_path, resolve_model_path
-from miles.recipes.sinks import ConsoleSink, JsonlSink, MultiSink, plot_rewards
+from miles.recipes.sinks import (
+    WANDB_MISSING,
+    ConsoleSink,
+    JsonlSink,
+    TensorBoardSink,
+    WandbSink,
+    plot_metrics,
+    plot_rewards,
+)
 from miles.rollout.config import DataConfig, RewardConfig
+
+if TYPE_CHECKING:
+    from miles.core.publisher import EnginePublisher
+    from miles.rollout.engines.launch import LaunchedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +55,11 @@ LOG_FILE = "train.log"
 class RunSetupError(Exception):
     """A user-caused problem found while building a run (a bad data file, reward plugin, ...): one line that
     names the config key and the fix. Nothing has been written to the run directory when it is raised."""
+
+
+class RunFailed(Exception):
+    """A run that started stopped on a failure it cannot continue past (a trainer rank died, with no trainer restart
+    left): one line naming what failed and the checkpoint the run continues from (``miles train --resume``)."""
 
 
 @dataclass(frozen=True)
@@ -63,17 +85,34 @@ def build_data_sources(data: DataConfig, *, num_eval_prompts: int) -> tuple[Data
     """The training data source of a data section and its held-out eval source (None when no eval).
 
     A reasoning-gym task draws eval entries with ``data.eval_seed``. A file source evaluates on
-    ``data.eval_path``, or, without one, on ``num_eval_prompts`` rows of ``data.path`` held out of training.
+    ``data.eval_path``, or, without one, on ``num_eval_prompts`` rows of ``data.path`` held out of training. A
+    ``data.mixture`` is built by ``build_mixture_sources``.
     Raises: ValueError naming ``data.path`` / ``data.eval_path`` when it is not a file; as ``FileSource`` /
         ``ReasoningGymSource`` (ValueError, FileNotFoundError naming the key).
     """
     from miles.rollout.data import FileSource, ReasoningGymSource
 
+    if data.mixture:
+        return build_mixture_sources(data, num_eval_prompts=num_eval_prompts)
+    if data.source == "custom":
+        factory = load_plugin(data.source_path, key="data.source_path")
+
+        def custom(split: str, seed: int) -> DataSource:
+            source = factory(DataContext(data=data, split=split, seed=seed))
+            missing = [m for m in ("next_prompts", "state_dict", "load_state_dict") if not hasattr(source, m)]
+            if missing:
+                raise TypeError(
+                    f"data.source_path: {data.source_path!r} returned a {type(source).__name__} without "
+                    f"{', '.join(missing)}; expected a DataSource (miles.core.protocols.DataSource)"
+                )
+            return source
+
+        return custom("train", data.seed), (custom("eval", data.eval_seed) if num_eval_prompts else None)
     if data.source == "file":
         for key, value in (("path", data.path), ("eval_path", data.eval_path)):
-            if value and not Path(value).expanduser().is_file():
+            if value and not Path(value).expanduser().exists():
                 raise ValueError(
-                    f"data.{key} is {value!r}, which is not a file (relative paths start at the current directory "
+                    f"data.{key} is {value!r}, which does not exist (relative paths start at the current directory "
                     f"{Path.cwd()}); pass --data.{key.replace('_', '-')} /path/to/file.jsonl"
                 )
     system_prompt = data.system_prompt or None
@@ -105,28 +144,102 @@ def build_data_sources(data: DataConfig, *, num_eval_prompts: int) -> tuple[Data
         )
 
     if data.eval_path or not num_eval_prompts:
-        train = file(data.path, seed=data.seed, key="data.path")
+        train_source = file(data.path, seed=data.seed, key="data.path")
         heldout = file(data.eval_path, seed=data.eval_seed, key="data.eval_path") if num_eval_prompts else None
-        return train, heldout
-    train = file(data.path, seed=data.seed, key="data.path", num_heldout=num_eval_prompts)
+        return train_source, heldout
+    train_source = file(data.path, seed=data.seed, key="data.path", num_heldout=num_eval_prompts)
     logger.info(
         "evaluating on %d rows of %s held out of training (set --data.eval-path for a separate eval file)",
         num_eval_prompts,
         Path(data.path).name,
     )
-    return train, train.heldout_source(seed=data.eval_seed)
+    return train_source, train_source.heldout_source(seed=data.eval_seed)
+
+
+def build_mixture_sources(data: DataConfig, *, num_eval_prompts: int) -> tuple[DataSource, DataSource | None]:
+    """The sources of ``data.mixture``: a ``MixtureSource`` over each dataset's training source and, for eval, one
+    with the same weights over each dataset's eval source (None when no eval).
+
+    Each dataset is built as a one-source data section (its entry plus the shared data.seed, data.eval_seed,
+    data.bad_rows). The eval prompts are the same mix as training: the first ``num_eval_prompts`` of the eval
+    mixture take ``mixture_counts(weights, num_eval_prompts)`` from the datasets, so a file dataset without an
+    eval_path holds exactly that many rows out of training (at least 1, so every dataset has an eval source).
+    Raises: ValueError naming ``data.mixture[i]`` (a path that is not a file, a bad row or task, ...).
+    """
+    from miles.rollout.data import MixtureSource, mixture_counts
+
+    shared = {"seed": data.seed, "eval_seed": data.eval_seed, "bad_rows": data.bad_rows}
+    weights = [component.weight for component in data.mixture]
+    shares = mixture_counts(weights, num_eval_prompts)
+    train, heldout = [], []
+    for i, (component, share) in enumerate(zip(data.mixture, shares)):
+        key = f"data.mixture[{i}]"
+        for field in ("path", "eval_path"):
+            value = getattr(component, field)
+            if value and not Path(value).expanduser().exists():
+                raise ValueError(
+                    f"{key}.{field} ({component.name}) is {value!r}, which does not exist (relative paths start at the "
+                    f"current directory {Path.cwd()}); fix {field} in that entry of data.mixture"
+                )
+        section = DataConfig(**component.model_dump(exclude={"name", "weight"}), **shared)
+        try:
+            source, eval_source = build_data_sources(section, num_eval_prompts=max(share, 1) if num_eval_prompts else 0)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"{key} ({component.name}): {err}") from err
+        train.append((component.name, component.weight, source))
+        heldout.append((component.name, component.weight, eval_source))
+    logger.info(
+        "data.mixture: %s (eval prompts per dataset: %s)",
+        ", ".join(f"{c.name} x{c.weight:g}" for c in data.mixture),
+        shares,
+    )
+    return MixtureSource(train), (MixtureSource(heldout) if num_eval_prompts else None)
 
 
 def build_reward(reward: RewardConfig) -> RewardFn:
-    """The reward function a reward section names, time-limited if ``reward.timeout_s`` is set."""
-    from miles.rollout.rewards import math_reward, reasoning_gym_reward
+    """The reward function a reward section names: in this process (time-limited if ``reward.timeout_s`` is set)
+    or, with ``reward.workers > 0``, a started ``ProcessPoolReward``, which holds processes: the caller closes it
+    (``close()``; it also closes at interpreter exit)."""
+    from functools import partial
 
+    from miles.core.reward_pool import ProcessPoolReward
+    from miles.rollout import rewards
+
+    # What the built-in rewards import on their first call, imported once by the workers' fork server instead (it
+    # starts no thread), so no worker spends its first call's timeout_s on imports. A partial of a module-level
+    # function pickles by reference, so workers get the built-ins with their settings.
+    preload: tuple[str, ...] = ("miles.rollout.rewards",)
     if reward.type == "reasoning_gym":
-        reward_fn = reasoning_gym_reward
+        reward_fn, preload = rewards.reasoning_gym_reward, (*preload, "reasoning_gym")
     elif reward.type == "math":
-        reward_fn = math_reward
+        reward_fn, preload = rewards.math_reward, (*preload, "math_verify")
+    elif reward.type == "code":
+        code = reward.code
+        reward_fn = partial(rewards.code_reward, time_limit_s=code.time_limit_s, memory_limit_mib=code.memory_limit_mib)
+    elif reward.type == "exact_match":
+        reward_fn = rewards.exact_match_reward
+    elif reward.type == "f1":
+        reward_fn = rewards.f1_reward
+    elif reward.type == "remote":
+        remote = reward.remote
+        reward_fn = partial(
+            rewards.remote_reward,
+            url=remote.url,
+            score_key=remote.score_key,
+            timeout_s=remote.timeout_s,
+            max_retries=remote.max_retries,
+            backoff_s=remote.backoff_s,
+        )
     else:
         reward_fn = load_plugin(reward.path, key="reward.path", num_positional=1)
+    if reward.workers > 0:
+        return ProcessPoolReward(
+            reward.path if reward.type == "custom" else reward_fn,  # a plugin is imported by path in each worker
+            num_workers=reward.workers,
+            timeout_s=reward.timeout_s or None,
+            memory_limit_mib=reward.memory_limit_mib,
+            preload=preload,
+        )
     return TimeLimitedReward(reward_fn, timeout_s=reward.timeout_s) if reward.timeout_s else reward_fn
 
 
@@ -165,18 +278,222 @@ def algorithm_models(cfg: MilesConfig, model_path: Path) -> dict[str, object]:
     return kwargs
 
 
+@contextmanager
+def ray_trainer_placement(cfg: MilesConfig) -> Iterator[Any]:
+    """The Ray session ``execution.ray`` describes (dashboard off; shut down at exit if it started the cluster)
+    holding a placement group of one bundle per trainer rank (``train.world_size``), removed at exit.
+
+    The engine servers' Ray actors take no bundle here: they ask for 0 CPUs on this node
+    (``miles.rollout.engines.launch._start_server_actors`` says why), so the bundles are the trainer's alone.
+
+    Raises: RunSetupError (one line, the keys to change) when the cluster cannot be reached or cannot place the
+        bundles; ImportError naming the install command without Ray.
+    """
+    from miles.core.execution import placement_group_for, ray_session
+
+    ray_cfg, world_size = cfg.execution.ray, cfg.train.world_size
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(
+                ray_session(
+                    address=ray_cfg.address,
+                    num_cpus=ray_cfg.num_cpus,
+                    log_to_driver=ray_cfg.log_to_driver,
+                    namespace=ray_cfg.namespace,
+                )
+            )
+        except ConnectionError as err:
+            raise RunSetupError(
+                f"execution.ray.address is {ray_cfg.address!r}, but Ray could not connect to it: "
+                f"{' '.join(str(err).split())}. Check the address (or drop --execution.ray.address to start a local "
+                "cluster)."
+            ) from err
+        bundles = [{"CPU": ray_cfg.trainer_cpus_per_rank}] * world_size
+        try:
+            group = stack.enter_context(placement_group_for(bundles, strategy=ray_cfg.placement_strategy))
+        except (ValueError, TimeoutError) as err:
+            cpus = world_size * ray_cfg.trainer_cpus_per_rank
+            raise RunSetupError(
+                f"train.world_size x execution.ray.trainer_cpus_per_rank = {world_size} x "
+                f"{ray_cfg.trainer_cpus_per_rank:g} = {cpus:g} CPUs cannot be placed on this Ray cluster: "
+                f"{' '.join(str(err).split())}. Set --execution.ray.num-cpus {cpus:g} or more (a local cluster; "
+                "logical CPUs may exceed the cores), or lower --train.world-size or "
+                "--execution.ray.trainer-cpus-per-rank."
+            ) from err
+        yield group
+
+
+def build_ray_trainer(
+    cfg: MilesConfig, model_path: Path, launched: LaunchedEngine, placement: Any, stack: contextlib.ExitStack
+) -> TrainBackend:
+    """The trainer of execution.mode ray: ``train.world_size`` FSDP2 ranks as Ray actors (``RayTrainGroup``), one
+    per bundle of ``placement`` (``ray_trainer_placement``), rank 0 pushing the weights through the sink
+    ``launched.sink_factory`` builds in its actor; ``stack`` closes the group. Logs one line: ranks, bundles,
+    processes, engines."""
+    from miles.core.execution import import_ray
+    from miles.train.ray_group import RayTrainGroup
+
+    ray_cfg, world_size = cfg.execution.ray, cfg.train.world_size
+    assert launched.sink_factory is not None, "MilesConfig refuses execution.mode ray with the embedded engine"
+    group = RayTrainGroup(
+        model_path,
+        train=cfg.train,
+        temperature=cfg.rollout.sampling.temperature,
+        weight_sink_factory=launched.sink_factory,
+        resources_per_rank={"CPU": ray_cfg.trainer_cpus_per_rank},
+        placement_group=placement,
+        **algorithm_models(cfg, model_path),
+    )
+    stack.callback(group.close)  # before its placement group is removed (entered earlier, so left later)
+    ray = import_ray()
+    where = ray.get([actor.__ray_call__.remote(_process_of) for actor in group.actors])
+    logger.info(
+        "Ray placement: %d FSDP2 trainer ranks on bundles 0-%d of a %s placement group (%g CPU each; %s), rank 0 "
+        "pushes the weights; engines: %s%s",
+        world_size,
+        world_size - 1,
+        ray_cfg.placement_strategy,
+        ray_cfg.trainer_cpus_per_rank,
+        ", ".join(f"rank {rank}: pid {pid} on {node}" for rank, (node, pid) in enumerate(where)),
+        launched.description,
+        "" if launched.server_actors else ", processes of this driver outside Ray",
+    )
+    return group
+
+
+def engine_resync(components: Components, sink_factory: Any) -> Callable[[str], None]:
+    """The engine supervisor's ``on_restarted`` in Ray mode: push the run's current weights to one restarted server.
+
+    The weights come from the current trainer (``components.backend``, a ``RayTrainGroup``; a trainer restart
+    replaces it) at the current version (``components.publisher.version``, read under the supervisor's
+    ``resync_lock``, which every publish holds too): rank 0's sink leaves its weight group, which had the dead
+    server, and a one-off sink for the restarted server alone (``sink_factory.only(url)``) sends them. At version 0
+    nothing is pushed: the restarted server loaded models.policy.path, the run's version 0.
+
+    Args:
+        components: the loop's components (read at each call).
+        sink_factory: ``LaunchedEngine.sink_factory`` (``SGLangSinkFactory`` of every server).
+    Returns: ``on_restarted(url)``; it raises what ``RayTrainGroup.push_weights_to`` raises.
+    """
+
+    def on_restarted(url: str) -> None:
+        version = components.publisher.version
+        if version == 0:
+            return
+        t0 = time.perf_counter()
+        components.backend.push_weights_to(sink_factory.only(url), version=version)
+        logger.info("pushed weights v%d to the restarted engine %s in %.1fs", version, url, time.perf_counter() - t0)
+
+    return on_restarted
+
+
+def _process_of(_worker: object) -> tuple[str, int]:
+    """(node IP, pid) of the actor process it runs in (through ``ActorHandle.__ray_call__``)."""
+    from miles.core.execution import import_ray
+
+    return import_ray().util.get_node_ip_address(), os.getpid()
+
+
+@dataclass(frozen=True)
+class RunPlugins:
+    """The extension points of a run that ``Components`` and the sinks take, imported and checked
+    (``miles.core.plugins.EXTENSION_POINTS``); the algorithm, data, reward and generate plugins load elsewhere."""
+
+    sample_hook: Any = None
+    group_reward_fn: Any = None
+    eval_fn: Any = None
+    rollout_factory: Any = None
+    hook_factories: tuple[Any, ...] = ()
+    sink_factories: tuple[Any, ...] = ()
+
+    def build_hooks_and_sinks(self, context: RunContext) -> tuple[list[Any], list[Any]]:
+        """Call the ``run.hooks`` / ``run.sinks`` factories with ``context``.
+
+        Raises: TypeError naming the key when a sink lacks ``log``/``close`` or a hook has none of the hook methods.
+        """
+        hooks, sinks = [], []
+        for i, factory in enumerate(self.hook_factories):
+            hook = factory(context)
+            if not any(hasattr(hook, m) for m in ("on_rollout_end", "on_train_step_end", "on_save")):
+                raise TypeError(
+                    f"run.hooks[{i}] returned a {type(hook).__name__} with none of on_rollout_end, on_train_step_end, "
+                    "on_save (miles.core.protocols.TrainHooks)"
+                )
+            hooks.append(hook)
+        for i, factory in enumerate(self.sink_factories):
+            sink = factory(context)
+            if not (callable(getattr(sink, "log", None)) and callable(getattr(sink, "close", None))):
+                raise TypeError(
+                    f"run.sinks[{i}] returned a {type(sink).__name__} without log(metrics, step) and close() "
+                    "(miles.core.protocols.MetricsSink)"
+                )
+            sinks.append(sink)
+        return hooks, sinks
+
+
+def load_run_plugins(cfg: MilesConfig) -> RunPlugins:
+    """Import and check ``rollout.sample_hook_path``, ``reward.group_path``, ``eval.path``, ``rollout.rollout_path``,
+    ``run.hooks`` and ``run.sinks`` (nothing is built).
+
+    Raises: RunSetupError with one line naming the key and the expected signature.
+    """
+
+    def load(key: str, path: str) -> Any:
+        return load_plugin(path, key=key) if path else None
+
+    try:
+        return RunPlugins(
+            sample_hook=load("rollout.sample_hook_path", cfg.rollout.sample_hook_path),
+            group_reward_fn=load("reward.group_path", cfg.reward.group_path),
+            eval_fn=load("eval.path", cfg.eval.path),
+            rollout_factory=load("rollout.rollout_path", cfg.rollout.rollout_path),
+            hook_factories=tuple(load(f"run.hooks[{i}]", p) for i, p in enumerate(cfg.run.hooks)),
+            sink_factories=tuple(load(f"run.sinks[{i}]", p) for i, p in enumerate(cfg.run.sinks)),
+        )
+    except (ValueError, TypeError, ImportError, AttributeError) as err:
+        raise RunSetupError(" ".join(str(err).split())) from err
+
+
+def build_eval_sets(cfg: MilesConfig) -> dict[str, list]:
+    """The fixed prompts of each named eval set (``eval.sets``): the eval prompts of the set's data section
+    (``eval_set_data``), ``num_prompts`` of them, by name.
+
+    Raises: RunSetupError naming ``eval.sets[i]`` for data that cannot be built (a missing file, a bad row, ...).
+    """
+    from miles.recipes.config import eval_set_data
+
+    prompts = {}
+    for i, eval_set in enumerate(cfg.eval.sets):
+        try:
+            _, source = build_data_sources(eval_set_data(cfg, i), num_eval_prompts=eval_set.num_prompts)
+            prompts[eval_set.name] = source.next_prompts(eval_set.num_prompts)
+        except (ValueError, TypeError, ImportError, AttributeError, OSError) as err:
+            raise RunSetupError(f"eval.sets[{i}] ({eval_set.name}): {' '.join(str(err).split())}") from err
+    return prompts
+
+
 def build_inputs(cfg: MilesConfig) -> tuple[RewardFn, DataSource, list]:
     """The user-supplied parts of a run, checked and built first because they fail cheaply: model paths exist,
-    algorithm plugins import with the right signatures; then (reward function, training data source, eval
-    prompts).
+    algorithm plugins, the group-generate factory and its tools import with the right signatures; then (reward
+    function, training data source, eval prompts).
 
     Raises: RunSetupError with one line naming the key and the fix (a model path that is neither registered nor
         an HF directory, a bad data file or row, a plugin that does not import or has the wrong signature, ...).
     """
+    from miles.rollout.generate_factory import load_generate_factory
+
     try:
         for key, path in model_paths(cfg).items():
             check_model_path(path, key=key)
         load_algorithm_plugins(cfg.algorithm)
+        load_generate_factory(cfg.rollout)  # rollout.generate_path and rollout.multi_turn.tools import and fit
+        if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ImportError(
+                "run.tensorboard is true but the tensorboard package is not installed: pip install "
+                "'miles-recipes[tensorboard]', or drop --run.tensorboard"
+            )
+        if cfg.run.wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise ImportError(WANDB_MISSING)
         reward_fn = build_reward(cfg.reward)
         data_source, eval_source = build_data_sources(cfg.data, num_eval_prompts=cfg.eval.num_prompts)
         eval_prompts = eval_source.next_prompts(cfg.eval.num_prompts) if eval_source is not None else []
@@ -185,15 +502,106 @@ def build_inputs(cfg: MilesConfig) -> tuple[RewardFn, DataSource, list]:
     return reward_fn, data_source, eval_prompts
 
 
+def build_rollout(cfg: MilesConfig, engine: Any, tokenizer: Any, plugins: RunPlugins) -> tuple[Any, Any]:
+    """(rollout function, group-generate function or None) of a run: SFT's reference answers, the
+    ``rollout.rollout_path`` factory's function, the ``rollout.generate_path`` (or multi-turn) factory's group
+    function batched by ``GroupRollout``, or the built-in single-turn ``ChatRollout``.
+
+    Raises: RunSetupError with one line for what a factory refuses or returns.
+    """
+    from miles.rollout.generate import ChatRollout
+    from miles.rollout.generate_factory import GenerateContext, GroupRollout, build_generate_fn, generate_factory_path
+    from miles.rollout.sft import SFTRollout
+
+    if cfg.rollout.mode == "sft":  # reference answers, no generation: a batch function is enough
+        return SFTRollout(tokenizer), None
+    context = GenerateContext(
+        engine=engine,
+        tokenizer=tokenizer,
+        rollout=cfg.rollout,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        mask_stale_segments=cfg.loop.mask_stale_segments,
+    )
+    if plugins.rollout_factory is not None:  # rollout.rollout_path: the whole step, training and eval
+        rollout_fn = plugins.rollout_factory(context)
+        if not callable(rollout_fn):
+            raise RunSetupError(
+                f"rollout.rollout_path: {cfg.rollout.rollout_path!r} returned a {type(rollout_fn).__name__}, not "
+                "a RolloutFn: return a callable (prompts, *, n_samples_per_prompt, sampling, seed) -> list[Sample]"
+            )
+        return rollout_fn, None
+    if generate_factory_path(cfg.rollout) is not None:  # rollout.generate_path, or multi_turn's built-in one
+        try:  # imports were checked by build_inputs; this is what the factory itself refuses (before the run
+            # directory is written, like every other build failure)
+            generate_group = build_generate_fn(cfg.rollout, context)
+        except (ValueError, TypeError) as err:
+            raise RunSetupError(" ".join(str(err).split())) from err
+        return GroupRollout(generate_group), generate_group  # eval: the same function, batched over eval prompts
+    # Training rollouts per prompt into the buffer; eval through the batch form of the same rollout.
+    chat = ChatRollout(
+        engine,
+        tokenizer,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        max_resubmits=cfg.rollout.max_resubmits,
+        mask_stale_segments=cfg.loop.mask_stale_segments,
+    )
+    return chat, chat.generate_group
+
+
+def evaluate_model(cfg: MilesConfig, *, log_dir: Path) -> dict[str, float]:
+    """Evaluate ``models.policy.path`` alone, as a run evaluates between steps (``miles eval``): the eval function
+    (``eval.path``, else the built-in one) over the default eval set and every ``eval.sets`` entry, with the run's
+    reward, sample hook and group reward. Nothing is trained and no run directory is written; server logs go to
+    ``log_dir``.
+
+    Returns: the eval metrics (``eval/reward``, ``eval/pass@k``, ``eval/<set>/...``, ``time/eval``).
+    Raises: RunSetupError as ``run`` does, and when no eval set is configured.
+    """
+    from miles.core.evaluation import evaluate
+    from miles.rollout.engines.launch import launch_engine
+    from transformers import AutoTokenizer
+
+    if not cfg.eval.enabled:
+        raise RunSetupError("eval.num_prompts is 0 and eval.sets is empty: nothing to evaluate; set --eval.num-prompts")
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    plugins = load_run_plugins(cfg)
+    with contextlib.ExitStack() as stack:
+        reward_fn, _, eval_prompts = build_inputs(cfg)
+        if hasattr(reward_fn, "close"):
+            stack.callback(reward_fn.close)
+        eval_sets = build_eval_sets(cfg)
+        model_path = resolve_model_path(cfg.models.policy.path, key="models.policy.path")
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        launched = launch_engine(cfg.engine, model_path, log_dir=log_dir, seed=cfg.rollout.seed)
+        stack.callback(launched.close)
+        rollout_fn, _ = build_rollout(cfg, launched.engine, tokenizer, plugins)
+        components = Components(
+            data_source=None,  # type: ignore[arg-type] - evaluation reads no training data
+            rollout_fn=rollout_fn,
+            reward_fn=reward_fn,
+            backend=None,  # type: ignore[arg-type] - nor a trainer
+            publisher=None,  # type: ignore[arg-type] - nor publishes weights (no eval/weight_version)
+            sink=None,  # type: ignore[arg-type]
+            eval_prompts=eval_prompts,
+            eval_sets=eval_sets,
+            sample_hook=plugins.sample_hook,
+            group_reward_fn=plugins.group_reward_fn,
+        )
+        return (plugins.eval_fn or evaluate)(components, cfg.eval)
+
+
 def run(
     cfg: MilesConfig, run_dir: Path, *, resume_from: Path | None = None, replace_existing: bool = False
 ) -> RunResult:
-    """Train per ``cfg``, writing ``config.yaml``, ``metrics.jsonl``, ``train.log``, checkpoints and
-    ``reward.png`` to run_dir.
+    """Train per ``cfg``, writing ``config.yaml``, ``metrics.jsonl``, ``train.log``, checkpoints, ``reward.png``
+    and ``metrics.png`` (redrawn from the whole ``metrics.jsonl`` when a resumed run ends) to run_dir.
 
     Nothing is written to ``run_dir`` until every component is built. During the loop the first Ctrl-C/SIGTERM
     finishes the current step, saves a checkpoint and returns; a second one raises KeyboardInterrupt at once
-    (the run continues from its last checkpoint).
+    (the run continues from its last checkpoint). In execution.mode ray a dead trainer rank stops the run, or, up to
+    ``execution.ray.max_trainer_restarts`` times, restarts the trainer from the newest checkpoint (step 0 before
+    the first one); the records after a restart carry ``trainer/restarts``.
 
     Args:
         cfg: the validated config.
@@ -203,45 +611,64 @@ def run(
             ``loop.num_steps``; ``metrics.jsonl`` rows after the checkpoint's step are dropped.
         replace_existing: delete what ``run_dir`` holds (once the build succeeded) and start it from step 0.
     Returns: how the run ended (``RunResult``).
-    Raises: RunSetupError for a user-caused build problem (see ``build_inputs``); KeyboardInterrupt on a
-        second signal.
+    Raises: RunSetupError for a user-caused build problem (see ``build_inputs``); RunFailed when a trainer rank
+        died (execution.mode ray) and no trainer restart is left; KeyboardInterrupt on a second signal.
     """
     from miles.core.publisher import EnginePublisher
-    from miles.rollout.engines import EmbeddedEngine
-    from miles.rollout.generate import ChatRollout
-    from miles.rollout.sft import SFTRollout
-    from miles.sync import InProcessTransport, WeightSender
+    from miles.rollout.engines.launch import launch_engine
+    from miles.rollout.engines.server_actor import EngineRestartError
     from miles.train import FSDP2Backend
+    from miles.train.ray_group import TrainerRankFailed
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its "Loading weights" bars; the console sink owns the progress bar
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
-    with _run_log(run_dir) as start_log:
+    with _run_log(run_dir) as start_log, contextlib.ExitStack() as stack:
         # Everything is validated; now build (the order puts cheap failures first).
+        plugins = load_run_plugins(cfg)
         reward_fn, data_source, eval_prompts = build_inputs(cfg)
+        eval_sets = build_eval_sets(cfg)
+        if hasattr(reward_fn, "close"):  # a ProcessPoolReward's worker processes end with the run
+            stack.callback(reward_fn.close)
+        if cfg.loop.mode != "sync":  # prompts generated ahead and not yet trained are stored with checkpoints
+            data_source = PromptQueue(data_source)
         model_path = resolve_model_path(cfg.models.policy.path, key="models.policy.path")
         t0 = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        engine = EmbeddedEngine(
+        ray_mode = cfg.execution.mode == "ray"
+        if ray_mode:  # first: a cluster that cannot start or place the trainer fails before any server starts
+            trainer_placement = stack.enter_context(ray_trainer_placement(cfg))
+        # Server logs start beside the run directory (not written before the build succeeds), then move into it.
+        launched = launch_engine(
+            cfg.engine,
             model_path,
-            dtype=cfg.engine.dtype,
-            max_batch_size=cfg.engine.max_batch_size,
-            logprob_mode=cfg.engine.logprob_mode,
+            log_dir=run_dir.parent / f".{run_dir.name}.servers",
+            seed=cfg.rollout.seed,
+            remote_sink=ray_mode,
+            server_actors=ray_mode,  # Ray owns and restarts the servers; the supervisor below watches them
+            weight_dir=run_dir.parent / f".{run_dir.name}.weights",  # engine.weight_transfer disk, removed at the end
         )
-        backend = FSDP2Backend(
-            model_path,
-            train=cfg.train,
-            temperature=cfg.rollout.sampling.temperature,
-            weight_sink=WeightSender(InProcessTransport(engine.receiver)),
-            **algorithm_models(cfg, model_path),
-        )
-        publisher = EnginePublisher(backend, [engine])
+        stack.callback(launched.close)
+        engine = launched.engine
+        if ray_mode:
+            backend = build_ray_trainer(cfg, model_path, launched, trainer_placement, stack)
+        else:
+            backend = FSDP2Backend(
+                model_path,
+                train=cfg.train,
+                temperature=cfg.rollout.sampling.temperature,
+                weight_sink=launched.weight_sink,
+                **algorithm_models(cfg, model_path),
+            )
+        pause_mode = cfg.loop.pause_mode or getattr(cfg.engine, "pause_mode", "keep")
+        publisher = EnginePublisher(backend, [engine], pause_mode=pause_mode)
+        rollout_fn, generate_group = build_rollout(cfg, engine, tokenizer, plugins)
         logger.info(
-            "loaded %s (engine %s, trainer %s) in %.1fs",
+            "loaded %s (engine: %s; trainer %s) in %.1fs",
             model_path,
-            cfg.engine.dtype,
+            launched.description,
             cfg.train.dtype,
             time.perf_counter() - t0,
         )
@@ -249,33 +676,44 @@ def run(
         if replace_existing:
             _remove_run_dir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        launched.move_logs(run_dir / "servers")
         start_log()
         write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         checkpoints = run_dir / "checkpoints"
         final: list[Path] = []
         start_step = 0
         if resume_from is not None:  # last: building the models above consumed RNG draws the checkpoint must undo
-            state = restore_run_checkpoint(resume_from, backend=backend, data_source=data_source)
-            start_step = state.step
-            if state.weight_version > 0:  # the engine starts from models.policy.path: give it the checkpoint's weights
-                publisher = EnginePublisher(backend, [engine], version=state.weight_version - 1)
-                publisher.publish()  # as the checkpoint's version; the next step's publish continues from it
+            publisher, start_step = _restore_checkpoint(
+                Path(resume_from), backend=backend, data_source=data_source, engine=engine, pause_mode=pause_mode
+            )
             _drop_metrics_after(run_dir / "metrics.jsonl", start_step)
             final.append(Path(resume_from))
             logger.info("resumed from %s at step %d (weights v%d)", resume_from, start_step, engine.weight_version)
         console = ConsoleSink(cfg.loop.num_steps, initial=start_step, enabled=cfg.run.progress)
-        sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), console)
+        tensorboard = None
+        if cfg.run.tensorboard:  # a resumed run logs again from the step after its checkpoint
+            tensorboard = TensorBoardSink(run_dir / "tensorboard", purge_step=start_step + 1 if resume_from else None)
         config_dict = cfg.model_dump(mode="json")
+        try:  # first: user code is the likeliest to fail, before a W&B run is opened
+            hooks, extra_sinks = plugins.build_hooks_and_sinks(
+                RunContext(run_dir=run_dir, config=config_dict, start_step=start_step)
+            )
+        except (ValueError, TypeError) as err:
+            raise RunSetupError(" ".join(str(err).split())) from err
+        wandb = None
+        if cfg.run.wandb is not None:  # a resumed run continues the W&B run whose id the run directory holds
+            wandb = WandbSink(cfg.run.wandb, run_dir=run_dir, run_config=config_dict, resume=resume_from is not None)
+        sink = _RunSink(run_dir / "metrics.jsonl", console, tensorboard, wandb, extra=extra_sinks)
         stop = StopRequest()
 
-        def save(step: int) -> None:
+        def save(step: int) -> Path:
             t_save = time.perf_counter()
             with stop.protect():
                 final.append(
                     save_run_checkpoint(
                         checkpoints,
                         step,
-                        backend=backend,
+                        backend=components.backend,  # the current trainer: a restart replaces it
                         data_source=data_source,
                         weight_version=engine.weight_version,
                         config=config_dict,
@@ -284,12 +722,8 @@ def run(
                     )
                 )
             logger.info("saved checkpoint %s in %.2fs", final[-1], time.perf_counter() - t_save)
+            return final[-1]
 
-        if cfg.rollout.mode == "sft":  # reference answers, no generation: a batch function is enough
-            rollout_fn, generate_group = SFTRollout(tokenizer), None
-        else:  # training rollouts per prompt into the buffer; eval through the batch form of the same rollout
-            chat = ChatRollout(engine, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens)
-            rollout_fn, generate_group = chat, chat.generate_group
         components = Components(
             data_source=data_source,
             rollout_fn=rollout_fn,
@@ -299,10 +733,19 @@ def run(
             publisher=publisher,
             sink=sink,
             eval_prompts=eval_prompts,
+            eval_sets=eval_sets,
             save_checkpoint=save,
             should_stop=stop,
             progress=console.eval_bar if cfg.run.progress else None,
+            sample_hook=plugins.sample_hook,
+            group_reward_fn=plugins.group_reward_fn,
+            eval_fn=plugins.eval_fn,
+            hooks=hooks,
         )
+        if launched.server_actors:  # Ray mode: a dead server is restarted, re-weighted and re-added to the router
+            supervisor = launched.supervise(engine_resync(components, launched.sink_factory))
+            components.engine_health = supervisor.check  # engine/restarts; an engine that stays dead stops the run
+            components.publisher.guard = supervisor.publish_guard  # no push while a server restarts
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         root = logging.getLogger()
@@ -310,21 +753,61 @@ def run(
             (h.level for h in root.handlers if type(h) is logging.StreamHandler), default=logging.NOTSET
         )
 
+        max_restarts, restarts = cfg.execution.ray.max_trainer_restarts, 0
+        initial_state = (data_source.state_dict(), capture_rng_state())  # what a restart before any checkpoint restores
         try:
             with stop, logging_redirect_tqdm(), _console_level(console_level):  # log lines print above the bar
-                steps_done = train_sync(
-                    components,
-                    loop=cfg.loop,
-                    rollout=cfg.rollout,
-                    algorithm=cfg.algorithm,
-                    evaluation=cfg.eval,
-                    critic=cfg.models.critic,
-                    start_step=start_step,
-                )
+                while True:
+                    try:
+                        if restarts:  # after a failure; in the try: a rank may die again while the new one starts
+                            start_step = _restart_trainer(
+                                components,
+                                build_backend=lambda: build_ray_trainer(
+                                    cfg, model_path, launched, trainer_placement, stack
+                                ),
+                                checkpoint=final[-1] if final else None,
+                                initial_state=initial_state,
+                                engine=engine,
+                                pause_mode=pause_mode,
+                            )
+                            sink.rewind(start_step, restarts=restarts)
+                        steps_done = train(
+                            components,
+                            loop=cfg.loop,
+                            rollout=cfg.rollout,
+                            algorithm=cfg.algorithm,
+                            evaluation=cfg.eval,
+                            critic=cfg.models.critic,
+                            start_step=start_step,
+                        )
+                        break
+                    except TrainerRankFailed as err:  # Ray mode: the other ranks cannot go on without it
+                        logger.debug("the trainer failed", exc_info=True)  # the whole story, in train.log only
+                        if restarts == max_restarts:
+                            raise
+                        restarts += 1
+                        logger.warning(
+                            "%s; restarting the trainer from %s (restart %d of %d, execution.ray.max_trainer_restarts)",
+                            str(err).splitlines()[0].rstrip(". "),
+                            final[-1] if final else "step 0 (no checkpoint yet)",
+                            restarts,
+                            max_restarts,
+                        )
+        except TrainerRankFailed as err:
+            where = _last_checkpoint(final)
+            stopped = "the run stopped"
+            if restarts:
+                stopped += f", out of trainer restarts (execution.ray.max_trainer_restarts is {max_restarts}),"
+            raise RunFailed(f"{str(err).splitlines()[0].rstrip('. ')}; {stopped} and {where}") from err
+        except EngineRestartError as err:  # Ray mode: an engine server the supervisor could not bring back
+            logger.debug("an engine failed", exc_info=True)
+            first_line = str(err).splitlines()[0].rstrip(". ")
+            raise RunFailed(f"{first_line}; the run stopped and {_last_checkpoint(final)}") from err
         finally:
             sink.close()
             if (run_dir / "metrics.jsonl").stat().st_size:
                 plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png")
+                plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
         if steps_done < cfg.loop.num_steps:  # the console may be gone (``| tee`` killed by the Ctrl-C): log it too
             logger.info("stopped by %s after step %d of %d", stop.requested, steps_done, cfg.loop.num_steps)
     return RunResult(
@@ -334,6 +817,11 @@ def run(
         checkpoint=final[-1] if final else None,
         stopped_by=stop.requested if steps_done < cfg.loop.num_steps else None,
     )
+
+
+def _last_checkpoint(final: list[Path]) -> str:
+    """Where a failed run continues from, for its one-line message."""
+    return f"its last checkpoint is {final[-1]}" if final else "no checkpoint was written (it starts at step 0)"
 
 
 @contextmanager
@@ -400,3 +888,125 @@ def _drop_metrics_after(path: Path, step: int) -> None:
     kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
     if len(kept) != len(lines):
         write_atomic(path, "".join(kept))
+
+
+def _restore_checkpoint(
+    checkpoint: Path,
+    *,
+    backend: TrainBackend,
+    data_source: DataSource,
+    engine: Any,
+    pause_mode: str,
+    guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> tuple[EnginePublisher, int]:
+    """Restore ``checkpoint`` into a built trainer and data source (``restore_run_checkpoint``: weights, optimizer,
+    data position, RNG states) and push its weights to ``engine``, which holds others (models.policy.path's, or
+    newer ones), as the checkpoint's weight version. Returns (the publisher, continuing from that version; the
+    checkpoint's step)."""
+    from miles.core.publisher import EnginePublisher
+
+    state = restore_run_checkpoint(checkpoint, backend=backend, data_source=data_source)
+    publisher = EnginePublisher(
+        backend, [engine], version=max(state.weight_version - 1, 0), pause_mode=pause_mode, guard=guard
+    )
+    if state.weight_version > 0:
+        publisher.publish()  # as the checkpoint's version; the next step's publish continues from it
+    return publisher, state.step
+
+
+def _restart_trainer(
+    components: Components,
+    *,
+    build_backend: Callable[[], TrainBackend],
+    checkpoint: Path | None,
+    initial_state: tuple[dict[str, Any], dict[str, Any]],
+    engine: Any,
+    pause_mode: str,
+) -> int:
+    """Replace the failed trainer of ``components`` (execution.ray.max_trainer_restarts): close it (its actors are
+    killed; the placement group stays), build a new one and restore ``checkpoint`` into it, or with None go back to
+    step 0: ``initial_state`` (the data source's state and the RNG states before the first step) and the weights of
+    models.policy.path, pushed to ``engine`` as a new version if it holds trained ones. Sets ``components.backend``
+    and ``components.publisher``. Returns the step to continue from.
+
+    Raises: TrainerRankFailed when a rank of the new trainer dies too.
+    """
+    from miles.core.publisher import EnginePublisher
+
+    t0 = time.perf_counter()
+    components.backend.close()
+    backend = build_backend()
+    if checkpoint is not None:
+        publisher, step = _restore_checkpoint(
+            checkpoint,
+            backend=backend,
+            data_source=components.data_source,
+            engine=engine,
+            pause_mode=pause_mode,
+            guard=components.publisher.guard,  # the engine supervisor's, in Ray mode
+        )
+    else:
+        data_state, rng_state = initial_state
+        components.data_source.load_state_dict(data_state)
+        restore_rng_state(rng_state)
+        version, guard = engine.weight_version, components.publisher.guard
+        publisher, step = EnginePublisher(backend, [engine], version=version, pause_mode=pause_mode, guard=guard), 0
+        if publisher.version > 0:  # versions never repeat: the initial weights come back as a new one
+            publisher.publish()
+    components.backend, components.publisher = backend, publisher
+    logger.info(
+        "restarted the trainer at step %d (weights v%d) in %.1fs", step, publisher.version, time.perf_counter() - t0
+    )
+    return step
+
+
+class _RunSink:
+    """The run's metrics sinks, ``metrics.jsonl`` and the console (and TensorBoard, W&B when on). After a trainer
+    restart (``rewind``) every record also counts the restarts so far (``trainer/restarts``)."""
+
+    def __init__(
+        self,
+        path: Path,
+        console: ConsoleSink,
+        tensorboard: TensorBoardSink | None = None,
+        wandb: WandbSink | None = None,
+        *,
+        extra: Sequence[MetricsSink] = (),
+    ) -> None:
+        self.path, self.console, self.tensorboard, self.wandb = path, console, tensorboard, wandb
+        self.extra = list(extra)  # run.sinks
+        self._jsonl = JsonlSink(path)
+        self._restarts = 0
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self._restarts:
+            metrics = {**metrics, "trainer/restarts": float(self._restarts)}
+        self._jsonl.log(metrics, step)
+        if self.tensorboard is not None:
+            self.tensorboard.log(metrics, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step)
+        for extra in self.extra:
+            extra.log(metrics, step)
+        self.console.log(metrics, step)
+
+    def rewind(self, step: int, *, restarts: int) -> None:
+        """Drop the ``metrics.jsonl`` rows the restarted trainer logs again: those after ``step``, all of them from
+        step 0 (the step-0 eval runs again); TensorBoard hides the same events (W&B keeps their first values)."""
+        self._jsonl.close()  # the file is replaced: append to the new one
+        _drop_metrics_after(self.path, step if step > 0 else -1)
+        self._jsonl = JsonlSink(self.path)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = TensorBoardSink(self.tensorboard.log_dir, purge_step=step + 1 if step > 0 else 0)
+        self._restarts = restarts
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()
+        for extra in self.extra:
+            extra.close()
+        self.console.close()
