@@ -219,12 +219,15 @@ def _server_counters(engine) -> tuple[float, float]:
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["abort", "keep", "retract"])
 def test_pause_modes_lose_no_request(vllm_engine, mode, monkeypatch):
-    # Every response runs to its length limit (no stop token). The test first freezes the server (pause "retract":
-    # nothing steps) until its counters show every prompt prefilled (so every request decoding) and none finished,
-    # then applies the mode under test to that frozen state, so no machine is too fast for it. Counters, not the
-    # num_requests_running gauge: the gauge is the scheduler's last report, and on the CI machine it never read 3
-    # while all 3 requests ran to their end; a fixed sleep once paused before all had started. Whatever fails, the
-    # server is resumed: a test that failed while it was frozen left it paused, and the next test's requests hung.
+    # Every response runs to its length limit (no stop token). The test freezes the server (pause "retract": nothing
+    # steps) BEFORE it sends the requests, so all three wait in the scheduler and the first step after the resume
+    # admits them together; it then re-freezes until the server's counters show every request past its first token
+    # and none finished, and applies the mode under test to that frozen state, so no machine is too fast for it.
+    # Requests sent to a running server arrived one by one, and on the CI machine all three once ran to their end
+    # between two freezes before the counters had shown the last one start. Counters, not the num_requests_running
+    # gauge: the gauge is the scheduler's last report, and on the CI machine it never read 3 while all 3 requests
+    # ran. Whatever fails, the server is resumed: a test that failed while it was frozen left it paused, and the next
+    # test's requests hung.
     request_body = vllm_engine.request_body
 
     def run_to_the_limit(request):
@@ -238,22 +241,29 @@ def test_pause_modes_lose_no_request(vllm_engine, mode, monkeypatch):
     requests = [GenerateRequest(p, long, seed=i) for i, p in enumerate(PROMPTS)]
 
     async def freeze_with_all_decoding(tasks, started0, finished0):
-        deadline = asyncio.get_running_loop().time() + 60
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        seen = []  # (seconds, started, finished) at each freeze: the failure message
         while True:
             await asyncio.to_thread(vllm_engine.pause, "retract")
             await asyncio.sleep(0.1)  # the last step's outputs reach the API server's counters
             started, finished = await asyncio.to_thread(_server_counters, vllm_engine)
+            seen.append((round(loop.time() - t0, 2), started - started0, finished - finished0))
             ended = [t.exception() or t.result().finish_reason for t in tasks if t.done()]
-            assert not ended and finished == finished0, f"requests ended before all were decoding: {ended}"
+            assert not ended and finished == finished0, f"requests ended before all were decoding: {ended}; {seen}"
             if started - started0 >= len(requests):
                 return
-            assert asyncio.get_running_loop().time() < deadline, "the requests never all started"
+            assert loop.time() - t0 < 60, f"the requests never all started: {seen}"
             await asyncio.to_thread(vllm_engine.resume)
             await asyncio.sleep(0.05)
 
     async def run():
         started0, finished0 = await asyncio.to_thread(_server_counters, vllm_engine)
+        await asyncio.to_thread(vllm_engine.pause, "retract")
         tasks = [asyncio.ensure_future(vllm_engine.generate(r)) for r in requests]
+        await asyncio.sleep(1.0)  # the requests reach the frozen server (milliseconds on 127.0.0.1) and wait there
+        assert not any(t.done() for t in tasks)
+        await asyncio.to_thread(vllm_engine.resume)
         await freeze_with_all_decoding(tasks, started0, finished0)
         if mode != "retract":  # already frozen in "retract"
             await asyncio.to_thread(vllm_engine.pause, mode)
