@@ -8,7 +8,15 @@ import torch
 from doubles import CountingPublisher, FakeBackend, ListSink
 from miles.core import logs
 from miles.core.config import AlgorithmConfig, EvalConfig, LoopConfig, RolloutConfig
-from miles.core.loop import Components, no_signal_ratio, train
+from miles.core.loop import (
+    ALL_WRONG_WARNING,
+    NO_SIGNAL_WARNING,
+    SOLVED_WARNING,
+    Components,
+    no_signal_ratio,
+    no_signal_warning,
+    train,
+)
 from miles.core.sample import Sample, SampleStatus
 
 DONE, FAILED = SampleStatus.COMPLETED, SampleStatus.FAILED
@@ -139,4 +147,69 @@ def test_a_step_with_signal_in_some_group_does_not_warn(caplog):
             evaluation=EvalConfig(num_prompts=0),
         )
     assert sink.rows[0]["groups/no_signal_ratio"] == 0.5
+    assert not caplog.records
+
+
+MORE_SAMPLES = " more samples per prompt (--rollout.n-samples-per-prompt 8; now {n});"
+
+
+@pytest.mark.parametrize(
+    "rewards, n, template, more_samples",
+    [
+        pytest.param([1.0] * 8, 8, SOLVED_WARNING, False, id="all_right_is_solved"),
+        pytest.param([1.0, 1.0], 2, SOLVED_WARNING, False, id="all_right_with_2_samples_is_solved_too"),
+        pytest.param([0.0] * 8, 8, ALL_WRONG_WARNING, False, id="all_wrong_with_8_samples"),
+        pytest.param([0.0] * 4, 4, ALL_WRONG_WARNING, True, id="all_wrong_with_4_samples_advises_8"),
+        pytest.param([-1.0, 0.0], 2, ALL_WRONG_WARNING, True, id="negative_rewards_are_wrong"),
+        pytest.param([0.0, 0.0, 1.0, 1.0], 2, NO_SIGNAL_WARNING, True, id="uniform_groups_that_differ"),
+        pytest.param([0.5] * 8, 8, NO_SIGNAL_WARNING, False, id="partial_reward_everywhere"),
+        pytest.param([], 8, NO_SIGNAL_WARNING, False, id="no_valid_sample"),
+    ],
+)  # fmt: skip
+def test_the_no_signal_warning_tells_solved_from_all_wrong_and_advises_more_samples_only_below_8(
+    rewards, n, template, more_samples
+):
+    warning = no_signal_warning(torch.tensor(rewards, dtype=torch.float32), n_samples_per_prompt=n)
+    assert warning == template.format(more_samples=MORE_SAMPLES.format(n=n) if more_samples else "")
+    text = warning % (3, 2, 1.0)  # the loop fills in step, groups, mean reward
+    assert text.startswith("step 3: all 2 groups have zero reward variance (groups/no_signal_ratio 1.0; mean reward 1)")
+    assert ("easier task" in text) == (template is not SOLVED_WARNING)
+    assert ("harder task" in text) == (template is SOLVED_WARNING)
+    assert ("--rollout.n-samples-per-prompt" in text) == more_samples
+
+
+class TeacherBackend(FakeBackend):
+    """Gives teacher log-probs too: -1 at every token, the old log-probs being 0, so OPD advantages of -1."""
+
+    def __init__(self):
+        super().__init__()
+        self.available_outputs = frozenset({"old_log_probs", "teacher_log_probs"})
+
+    def forward(self, batch, *, outputs):
+        batch = super().forward(batch, outputs=outputs)
+        return batch.replace(teacher_log_probs=torch.full(batch.loss_mask.shape, -1.0))
+
+
+def test_on_policy_distillation_is_not_warned_about_equal_rewards(caplog):
+    """Its advantages are teacher minus student log-probs: equal rewards take nothing from them."""
+    sink = ListSink()
+    backend = TeacherBackend()
+    components = Components(
+        data_source=Prompts(),
+        rollout_fn=ScriptedRollout([[(0, DONE), (0, DONE)], [(0, DONE), (0, DONE)]]),
+        reward_fn=lambda s: float(s.response_tokens[0]),
+        backend=backend,
+        publisher=CountingPublisher(),
+        sink=sink,
+    )
+    with caplog.at_level(logging.WARNING, logger="miles.core.loop"):
+        train(
+            components,
+            loop=LoopConfig(num_steps=1),
+            rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2),
+            algorithm=AlgorithmConfig(advantage={"estimator": "opd"}),
+            evaluation=EvalConfig(num_prompts=0),
+        )
+    assert sink.rows[0]["groups/no_signal_ratio"] == 1.0
+    assert backend.batches[0].advantages[backend.batches[0].loss_mask].tolist() == [-1.0] * 4
     assert not caplog.records

@@ -3,6 +3,9 @@ tokenizer (hidden 32, 2 layers), and each config refuses a group baseline with o
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from miles.recipes.cli import resolve_config
@@ -80,6 +83,11 @@ def test_a_group_baseline_with_one_sample_per_prompt_is_refused_before_training(
     "overrides, message",
     [
         pytest.param(["--algorithm.advantage.estimator", "opd"], "models.teacher is off", id="opd_without_teacher"),
+        pytest.param(
+            ["--algorithm.advantage.estimator", "opd", "--models.teacher.path", "smollm2-135m-instruct"],
+            "models.teacher.path is 'smollm2-135m-instruct', the policy itself",
+            id="opd_teacher_is_the_policy",
+        ),
         pytest.param(["--algorithm.loss.dual-clip-c", "0.5"], "needs c > 1", id="dual_clip_below_one"),
         pytest.param(["--rollout.mode", "sft"], "supervised fine-tuning needs both", id="sft_mode_with_ppo_loss"),
         pytest.param(["--algorithm.overlong.buffer-len", "100"], "penalty ramp must fit", id="buffer_too_long"),
@@ -106,3 +114,53 @@ def test_a_group_baseline_with_one_sample_per_prompt_is_refused_before_training(
 def test_algorithm_combinations_that_would_do_nothing_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         resolve_config("smollm2_grpo_arithmetic", overrides)
+
+
+TEACHER_FIX = (
+    "Set --models.teacher.path to a stronger model with the policy's tokenizer (an HF model directory: a larger "
+    "model of the policy's family, or the policy after RL training, e.g. runs/NAME/checkpoints/step_N/model).\n"
+)
+
+
+@pytest.mark.parametrize(
+    "teacher, policy, reason",
+    [
+        pytest.param(
+            None,
+            None,
+            "algorithm.advantage.estimator is 'opd' but models.teacher is off: on-policy distillation needs a "
+            "teacher's log-probs.",
+            id="as_shipped_without_teacher",
+        ),
+        pytest.param(
+            "smollm2-135m-instruct",
+            None,
+            "models.teacher.path is 'smollm2-135m-instruct', the policy itself (models.policy.path "
+            "'smollm2-135m-instruct'): on-policy distillation from the policy has advantage teacher_log_prob - "
+            "log_prob = 0 at every token, so the loss, the gradient and the update are 0.",
+            id="teacher_is_the_registered_policy",
+        ),
+        pytest.param(
+            "/models/student/",
+            "/models/../models/student",
+            "models.teacher.path is '/models/student/', the policy itself (models.policy.path "
+            "'/models/../models/student'): on-policy distillation from the policy has advantage teacher_log_prob - "
+            "log_prob = 0 at every token, so the loss, the gradient and the update are 0.",
+            id="teacher_is_the_policy_directory_spelled_otherwise",
+        ),
+    ],
+)
+def test_the_opd_recipe_refuses_to_start_without_a_teacher_other_than_the_policy(teacher, policy, reason, tmp_path):
+    """`miles train --recipe smollm2_opd_arithmetic` as shipped learned nothing: its teacher was the policy."""
+    flags = ["--models.teacher.path", teacher] if teacher else []
+    flags += ["--models.policy.path", policy] if policy else []
+    miles = Path(sys.executable).parent / "miles"  # the console script a user runs
+    done = subprocess.run(
+        [str(miles), "train", "--recipe", "smollm2_opd_arithmetic", *flags, "--run.dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr == f"miles: invalid configuration: {reason} {TEACHER_FIX}"
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written

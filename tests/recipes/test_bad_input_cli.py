@@ -4,6 +4,9 @@ validating the config reads no file, so each such config validates and fails in 
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 from miles.recipes.cli import main, resolve_config
@@ -47,7 +50,8 @@ CASES = [
     pytest.param(
         GOOD + "\n" + GOOD,
         ["--reward.type", "custom", "--reward.path", "no_such_module:score"],
-        "reward.path: cannot import module 'no_such_module' (No module named 'no_such_module'); is it on PYTHONPATH?",
+        "reward.path: cannot import module 'no_such_module' (No module named 'no_such_module'); is it on PYTHONPATH "
+        "or in the current directory (",
         id="reward_module_missing",
     ),
     pytest.param(
@@ -204,3 +208,109 @@ def test_a_group_generate_factory_that_refuses_to_build_is_one_line_and_writes_n
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err == "miles: this tokenizer has no chat template; pick a chat model\n", err
     assert not runs.exists()
+
+
+# A reward broken on every sample, the way REWARD_MODE says; "ok" is the fixed one.
+ALL_FAIL_REWARD = """
+import math, os, time
+
+def score(sample):
+    mode = os.environ["REWARD_MODE"]
+    if mode == "raise":
+        raise ValueError("scorer is down")
+    if mode == "nan":
+        return math.nan
+    if mode == "hang":  # far past reward.timeout_s; bounded, so the abandoned threads end with the test session
+        time.sleep(30)
+    return float(sample.response_tokens[0] % 2)
+"""
+
+
+def _all_fail_args(model_dir, tmp_path, *extra):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join([GOOD] * 4))
+    return [
+        "--models.policy.path", str(model_dir), "--data.source", "file", "--data.path", str(data),
+        "--reward.type", "custom", "--reward.path", "all_fail_reward:score",
+        "--rollout.rollout-batch-size", "2", "--rollout.n-samples-per-prompt", "4",
+        "--rollout.sampling.max-new-tokens", "3", "--train.micro-batch-size", "8",
+        "--eval.num-prompts", "0", "--loop.num-steps", "1",
+        "--run.dir", str(tmp_path), "--run.name", "broken", "--run.progress", "false", "--run.num-threads", "1", *extra,
+    ]  # fmt: skip
+
+
+def _all_failed_line(reason: str, fix: str) -> str:
+    return f"step 1: all 8 samples failed (reward: reward.path 'all_fail_reward:score'); first reasons: {reason}. {fix}"
+
+
+NO_STEP = "No step was completed, so the same command starts the run again"
+FIX_REWARD = "Fix the reward function (call it on one sample in Python to see its error)"
+
+
+@pytest.mark.integration
+def test_a_step_where_every_reward_raises_is_one_line_exit_2_in_train_log_and_the_same_command_starts_again(
+    tiny_smollm2_dir, tmp_path, monkeypatch, capsys
+):
+    """A real `miles train` process: no traceback (it was 31 lines of `[rank0]: Traceback`, exit 1), the line in
+    train.log too, and once the reward is fixed the same command runs (it was refused: "already has a run")."""
+    (tmp_path / "all_fail_reward.py").write_text(ALL_FAIL_REWARD)
+    args = _all_fail_args(tiny_smollm2_dir, tmp_path)
+    env = dict(os.environ, REWARD_MODE="raise")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "miles.recipes.cli", "train", *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    message = _all_failed_line("reward function raised ValueError: scorer is down", FIX_REWARD)
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == f"miles: {message}. {NO_STEP}"
+    assert [line for line in lines if line.startswith("miles:")] == lines[-1:]
+    run = tmp_path / "broken"
+    assert f"ERROR miles.recipes.run: the run stopped: {message}\n" in (run / "train.log").read_text()
+    assert not (run / "checkpoints").exists() and (run / "metrics.jsonl").read_text() == ""
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("REWARD_MODE", "ok")
+    capsys.readouterr()
+    assert main(["train", *args]) == 0  # the directory held no completed step: replaced, not refused
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    log = (run / "train.log").read_text()
+    assert "all 8 samples failed" not in log and "pushed weights v1" in log
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "mode, extra, reason, fix",
+    [
+        pytest.param("nan", [], "reward function returned nan", FIX_REWARD, id="nan"),
+        pytest.param(
+            "hang",
+            ["--reward.timeout-s", "0.25"],  # 8 calls x 0.25 s, each abandoned in its thread
+            "reward function raised RewardTimeoutError: reward function did not return within reward.timeout_s=0.25s",
+            "Make the reward function return within reward.timeout_s (0.25 s), or raise --reward.timeout-s",
+            id="hangs",
+        ),
+    ],
+)
+def test_a_step_where_every_reward_is_nan_or_times_out_is_one_line_exit_2_naming_the_reward(
+    tiny_smollm2_dir, tmp_path, monkeypatch, capsys, mode, extra, reason, fix
+):
+    (tmp_path / "all_fail_reward.py").write_text(ALL_FAIL_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("REWARD_MODE", mode)
+    assert main(["train", *_all_fail_args(tiny_smollm2_dir, tmp_path, *extra)]) == 2
+    message = _all_failed_line(reason, fix)
+    assert capsys.readouterr().err == f"miles: {message}. {NO_STEP}\n"
+    run = tmp_path / "broken"
+    assert f"ERROR miles.recipes.run: the run stopped: {message}\n" in (run / "train.log").read_text()
+
+
+def test_any_error_that_ends_a_started_run_is_written_to_train_log_with_its_traceback(tmp_path):
+    from miles.recipes.run import _run_log
+
+    with pytest.raises(ZeroDivisionError), _run_log(tmp_path) as start_log:
+        start_log()
+        1 / 0  # a bug in the loop  # noqa: B018
+    log = (tmp_path / "train.log").read_text()
+    assert "ERROR miles.recipes.run: the run failed: ZeroDivisionError: division by zero\nTraceback" in log
+    assert log.rstrip().endswith("ZeroDivisionError: division by zero")

@@ -21,12 +21,16 @@ def test_an_override_without_value_is_a_clear_error():
         parse_overrides(["--loop.num-steps"])
 
 
+# What a recipe needs from its user: the OPD recipe ships no teacher (validation reads no file: any path will do).
+REQUIRED = {"smollm2_opd_arithmetic": ["--models.teacher.path", "/models/stronger-teacher"]}
+
+
 @pytest.mark.parametrize("name", recipe_names())
 def test_every_shipped_recipe_validates(name, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
     overrides = ["--data.path", str(data)] if load_recipe(name).get("data", {}).get("source") == "file" else []
-    assert isinstance(resolve_config(name, overrides), MilesConfig)
+    assert isinstance(resolve_config(name, overrides + REQUIRED.get(name, [])), MilesConfig)
 
 
 def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
@@ -259,7 +263,7 @@ def test_a_setting_of_a_feature_that_is_off_is_one_line_naming_both_keys_and_the
 def test_a_full_dump_of_a_resolved_recipe_validates_to_the_same_config(name, tmp_path):
     """A run's config.yaml and `miles config show` list every field, including the defaults of features a recipe
     does not read (clip bounds of sft): they must validate again, unchanged (resume reads them)."""
-    cfg = resolve_config(name, [])
+    cfg = resolve_config(name, REQUIRED.get(name, []))
     assert MilesConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))) == cfg
 
 
@@ -369,10 +373,10 @@ def test_validating_and_showing_a_cluster_recipe_touches_no_file_beyond_the_reci
 
 @pytest.mark.parametrize("name", ["smollm2_grpo_arithmetic", "smollm2_ppo_arithmetic", "smollm2_opd_arithmetic"])
 def test_config_show_prints_the_description_of_every_field_on_or_off(name, capsys):
-    assert main(["config", "show", name]) == 0
+    assert main(["config", "show", name, *REQUIRED.get(name, [])]) == 0
     comments = [line.strip().removeprefix("# ") for line in capsys.readouterr().out.splitlines() if "# " in line]
     text = " ".join(comments)
-    engine = type(resolve_config(name, []).engine)  # the other engine kinds are not shown
+    engine = type(resolve_config(name, REQUIRED.get(name, [])).engine)  # the other engine kinds are not shown
     fields = {k: f for k, f in _fields(MilesConfig).items() if not k.startswith("engine.")}
     fields |= {f"engine.{k}": f for k, f in engine.model_fields.items()}
     missing = [key for key, field in fields.items() if field.description not in text]
@@ -401,3 +405,27 @@ def test_changing_a_sections_type_drops_the_recipes_keys_for_the_old_type_in_any
     assert apply_overrides(recipe, {"engine.type": "embedded"}) == recipe
     config = resolve_config("smollm2_grpo_arithmetic", ["--engine.num-servers", "2", "--engine.type", "vllm"])
     assert (config.engine.type, config.engine.num_servers, config.engine.host) == ("vllm", 2, "127.0.0.1")
+
+
+def test_each_reward_call_is_limited_to_60_s_by_default_and_a_limit_no_call_can_meet_is_one_line(capsys):
+    """A hanging reward hung the run (reward.timeout_s was 0, no limit); the limit must leave room for one code
+    test case (reward.code.time_limit_s) or one remote attempt (reward.remote.timeout_s)."""
+    from miles.core.rewards import TimeLimitedReward
+    from miles.recipes.run import build_reward
+
+    assert main(["config", "show", "smollm2_grpo_gsm8k"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["reward"]["timeout_s"] == 60.0
+    reward_fn = build_reward(resolve_config("smollm2_grpo_gsm8k", []).reward)  # math-verify, in this process
+    assert isinstance(reward_fn, TimeLimitedReward) and reward_fn.timeout_s == 60.0
+    assert main(["train", "--reward.type", "code", "--reward.timeout-s", "5"]) == 2
+    assert capsys.readouterr().err == (
+        "miles: invalid configuration: reward.timeout_s is 5 but reward.code.time_limit_s is 5: a reward call is cut "
+        "off after reward.timeout_s, so not even one test case could finish. Set --reward.timeout-s above 5 (e.g. "
+        "20), or lower --reward.code.time-limit-s.\n"
+    )
+    remote = ["--reward.type", "remote", "--reward.remote.url", "http://rm:8000/score", "--reward.remote.timeout-s"]
+    assert main(["train", *remote, "90"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "miles: invalid configuration: reward.timeout_s is 60 but reward.remote.timeout_s is 90: a reward call is cut "
+        "off after reward.timeout_s, so not even one attempt could finish."
+    )

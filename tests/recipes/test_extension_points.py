@@ -4,6 +4,10 @@ examples run through the real loop (``miles.recipes.run``) on a tiny model, each
 
 import csv
 import json
+import os
+import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -219,3 +223,106 @@ def test_a_buffer_filter_in_the_one_step_off_loop_drops_groups_and_consumes_thei
     state = json.loads((result.checkpoint / "run_state.json").read_text())
     # Prompts 0-3 are consumed, the dropped 1 and 3 too (not stored for a resume to train); 4-7 were generated ahead.
     assert [p["group_index"] for p in state["data_source"]["untrained"]] == [4, 5, 6, 7]
+
+
+README_REWARD = re.search(r"```python\n(# my_reward\.py.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+GROUP_BONUS = "def add_quarter(group):\n    return [sample.reward + 0.25 for sample in group]\n"
+
+
+def _miles_train(args, cwd):
+    """The `miles` console script, as a user runs it: unlike `python -m`, it puts no current directory on
+    sys.path. PYTHONPATH is left out, so only what the loader adds can find a plugin."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    miles = Path(sys.executable).parent / "miles"
+    return subprocess.run([str(miles), "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_readme_reward_runs_from_the_current_directory_and_a_plugin_file_by_its_path(tiny_smollm2_dir, tmp_path):
+    project = tmp_path / "project"
+    (project / "plugins").mkdir(parents=True)
+    (project / "my_reward.py").write_text(README_REWARD.group(1))
+    (project / "plugins" / "bonus.py").write_text(GROUP_BONUS)
+    readme = (ROOT / "README.md").read_text()
+    assert "--reward.type custom --reward.path my_reward:reward " in readme
+    assert "--reward.type custom --reward.path path/to/my_reward.py:reward " in readme
+    done = _miles_train(
+        [
+            "--models.policy.path", str(tiny_smollm2_dir),
+            "--reward.type", "custom", "--reward.path", "my_reward:reward",
+            "--reward.group-path", "plugins/bonus.py:add_quarter",
+            "--rollout.rollout-batch-size", "2", "--rollout.n-samples-per-prompt", "4",
+            "--rollout.sampling.max-new-tokens", "3", "--train.micro-batch-size", "8",
+            "--eval.num-prompts", "0", "--loop.num-steps", "1",
+            "--run.dir", str(tmp_path / "runs"), "--run.name", "custom", "--run.progress", "false",
+        ],
+        cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "runs" / "custom" / "metrics.jsonl").read_text().splitlines()]
+    # The random model's 3-token responses never end with the sum: README reward 0, plus the group bonus 0.25.
+    assert row["reward/mean"] == 0.25 and row["samples/failed"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        pytest.param(
+            "nowhere/my_reward.py:reward",
+            "reward.path: no file 'nowhere/my_reward.py' (looked for {cwd}/nowhere/my_reward.py); name an existing "
+            "file as path/to/file.py:attr, or a module on PYTHONPATH or in the current directory as module:attr",
+            id="missing_file",
+        ),
+        pytest.param(
+            "no_such_reward:reward",
+            "reward.path: cannot import module 'no_such_reward' (No module named 'no_such_reward'); is it on "
+            "PYTHONPATH or in the current directory ({cwd})? A file can be named as path/to/file.py:attr",
+            id="missing_module",
+        ),
+        pytest.param(
+            "broken.py:reward",
+            "reward.path: importing 'broken.py' failed: {cwd}/broken.py:1: SyntaxError: expected ':'",
+            id="file_with_a_syntax_error",
+        ),
+        pytest.param(
+            "raising:reward",
+            "reward.path: importing module 'raising' failed: {cwd}/raising.py:1: ZeroDivisionError: division by zero",
+            id="module_that_raises_as_it_runs",
+        ),
+        pytest.param(
+            "plugins/bonus.py:nothing",
+            "reward.path: module 'plugins/bonus.py' has no attribute 'nothing'",
+            id="file_without_the_attribute",
+        ),
+    ],
+)
+def test_a_plugin_path_that_does_not_load_is_one_line_naming_the_key(path, message, tmp_path):
+    (tmp_path / "broken.py").write_text("def reward(sample)\n    return 1.0\n")
+    (tmp_path / "raising.py").write_text("1 / 0\n")
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "bonus.py").write_text(GROUP_BONUS)
+    runs = tmp_path / "runs"
+    done = _miles_train(["--reward.type", "custom", "--reward.path", path, "--run.dir", str(runs)], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr == f"miles: {message.format(cwd=tmp_path)}\n"
+    assert not runs.exists()  # nothing written
+
+
+SHARED_STATE = """
+calls = []
+
+
+def one(sample):
+    calls.append(1)
+    return 1.0
+
+
+def group(samples):
+    return [len(calls)] * len(samples)
+"""
+
+
+def test_two_plugins_in_one_file_share_its_module(tmp_path):
+    (tmp_path / "shared_state.py").write_text(SHARED_STATE)
+    reward = load_plugin(f"{tmp_path}/shared_state.py:one", key="reward.path")
+    group = load_plugin(f"{tmp_path}/shared_state.py:group", key="reward.group_path")
+    assert reward(None) == 1.0 and group([None, None]) == [1, 1]

@@ -2,11 +2,13 @@
 
 One Ctrl-C mid-step finishes the step, saves it and exits 130 with one line; `--resume` then continues exactly as
 a run that was never interrupted. Two Ctrl-C abandon the step at once; a run without any checkpoint can be
-started again (`--resume` from step 0, or `--overwrite`). A finished run says so when resumed.
+started again (`--resume` from step 0, or `--overwrite`). A finished run says so when resumed. Under `uv run`
+without a terminal one signal to the process group arrives twice (uv forwards it): still one request.
 """
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from miles.recipes.cli import command_prefix, main
+from miles.recipes.interrupts import REPEAT_WINDOW_S
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +38,27 @@ def odd_first_token(sample):
     return float(sample.response_tokens[0] % 2)
 """
 
+# A group-generate function that is the built-in single-turn one, announcing through a marker file that the
+# engine is about to generate, so a test's signal arrives mid-generation.
+GENERATE_MODULE = """
+import os
+from pathlib import Path
+
+from miles.rollout.generate import ChatRollout
+
+
+def build_generate(context):
+    chat = ChatRollout(context.engine, context.tokenizer, max_prompt_tokens=context.max_prompt_tokens)
+
+    async def generate_group(prompt, *, n, sampling, seeds, on_finished=None):
+        Path(os.environ["GENERATE_MARKER"]).touch()
+        return await chat.generate_group(prompt, n=n, sampling=sampling, seeds=seeds, on_finished=on_finished)
+
+    return generate_group
+"""
+
 NUM_STEPS = 4
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _overrides(model_dir, run_dir, name):
@@ -154,6 +177,7 @@ def test_two_ctrl_c_abandon_the_step_and_a_run_without_checkpoint_can_be_restart
     # The second Ctrl-C once the first was handled: CPython runs a handler once for signals that arrive before it
     # runs (a gen-2 GC in another thread can hold the GIL that long), so a fixed pause raced on a loaded machine.
     reader.wait_for("SIGINT: finishing the current step", process)
+    time.sleep(REPEAT_WINDOW_S + 0.2)  # a signal sooner after the first is taken as the same one, delivered twice
     process.send_signal(signal.SIGINT)
     process.wait(timeout=60)  # the 120 s sleep was cut short
     stderr = reader.text(timeout_s=10)
@@ -166,18 +190,108 @@ def test_two_ctrl_c_abandon_the_step_and_a_run_without_checkpoint_can_be_restart
     run = tmp_path / "abandoned"
     assert not (run / "checkpoints").exists()
 
-    capsys.readouterr()
-    assert main(["train", *args]) == 2  # a fresh start would mix two runs' metrics
-    assert capsys.readouterr().err == (
-        f"miles: run directory {run} already has a run; continue it with --run.name abandoned --resume (it has no "
-        "checkpoint: it starts from step 0), start it over with --overwrite, or pick another --run.name\n"
-    )
-
     assert main(["train", *args, "--resume"]) == 0
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]
+    capsys.readouterr()
+    assert main(["train", *args]) == 2  # a fresh start would mix two runs' metrics (a run without a step would not)
+    assert capsys.readouterr().err == (
+        f"miles: run directory {run} already has a run; continue it with --run.name abandoned --resume (its latest "
+        "checkpoint is step_4), start it over with --overwrite, or pick another --run.name\n"
+    )
     assert main(["train", *args, "--overwrite", "--loop.num-steps", "1"]) == 0
     assert [r["step"] for r in _metrics(run)] == [1]
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_1"]
+
+
+def _start_with_uv(args, tmp_path, *, slow_step, sleep_s):
+    """`uv run miles train ...` as a user starts it from a script or an IDE: no terminal on stdin (so uv forwards
+    SIGINT to its child), in a process group of its own that the test signals as a whole."""
+    uv = os.environ.get("UV") or shutil.which("uv")  # `uv run` sets UV to its own path
+    if uv is None:
+        pytest.skip("uv is not installed: this test checks how `uv run` passes signals on")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env.update(SLOW_STEP=str(slow_step), MARKER=str(tmp_path / "marker"), SLEEP_S=str(sleep_s))
+    env["GENERATE_MARKER"] = str(tmp_path / "generating")
+    return subprocess.Popen(
+        [uv, "run", "--no-sync", "miles", "train", *args],  # --no-sync: the test uses the environment as it is
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.fixture
+def process_groups():
+    """Started process groups (append the Popen); any still running when the test ends is killed."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_one_sigint_to_the_process_group_of_uv_run_is_one_request_and_saves_the_step(
+    tiny_smollm2_dir, tmp_path, reward_env, process_groups
+):
+    process = _start_with_uv(_overrides(tiny_smollm2_dir, tmp_path, "group"), tmp_path, slow_step=0, sleep_s=3)
+    process_groups.append(process)
+    _wait_for(tmp_path / "marker", process)
+    os.killpg(process.pid, signal.SIGINT)  # uv and miles get it, and uv forwards it to miles: two deliveries
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "terminate called" not in stderr
+    run = tmp_path / "group"
+    assert stderr.strip().splitlines()[-1] == (
+        f"miles: stopped by SIGINT after step 1 of {NUM_STEPS}; checkpoint {run / 'checkpoints' / 'step_1'}. "
+        f"Continue with: uv run miles train --run.name group --run.dir {tmp_path} --resume"
+    )
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_1"
+    assert [r["step"] for r in _metrics(run)] == [1]
+    train_log = (run / "train.log").read_text()
+    assert train_log.count("SIGINT within 1.0s of the previous signal: taken as the same request") == 1
+
+
+def test_a_second_sigint_mid_generation_stops_at_once_with_130_and_no_abort_of_the_engine_thread(
+    tiny_smollm2_dir, tmp_path, reward_env, process_groups
+):
+    """The engine's worker thread is stopped before the interpreter exits: a thread still inside torch then was
+    ended by CPython's pthread_exit, whose unwinding through C++ called std::terminate (exit 134)."""
+    model = tmp_path / "model"  # room for responses long enough that generation outlasts the test's signals
+    shutil.copytree(tiny_smollm2_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    (tmp_path / "generate_marker.py").write_text(GENERATE_MODULE)
+    args = [
+        *_overrides(model, tmp_path, "mid_generation"),
+        "--rollout.generate-path", "generate_marker:build_generate",
+        "--rollout.rollout-batch-size", "4", "--rollout.n-samples-per-prompt", "8",
+        "--rollout.sampling.max-new-tokens", "2000",
+    ]  # fmt: skip
+    process = _start_with_uv(args, tmp_path, slow_step=-1, sleep_s=0)
+    process_groups.append(process)
+    _wait_for(tmp_path / "generating", process)
+    reader = _LineReader(process.stderr)
+    os.killpg(process.pid, signal.SIGINT)
+    reader.wait_for("SIGINT: finishing the current step", process)
+    time.sleep(REPEAT_WINDOW_S + 0.2)  # a person pressing Ctrl-C again
+    os.killpg(process.pid, signal.SIGINT)
+    process.wait(timeout=60)
+    stderr = reader.text(timeout_s=10)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "terminate called" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "miles: interrupted; no checkpoint was written, so it starts from step 0. "
+        f"Continue with: uv run miles train --run.name mid_generation --run.dir {tmp_path} --resume"
+    )
+    run = tmp_path / "mid_generation"
+    # All 4 x 8 responses were still being sampled (2000 tokens each) when the engine was stopped.
+    assert "pause(abort): 32 requests interrupted" in (run / "train.log").read_text()
+    assert _metrics(run) == [] and not (run / "checkpoints").exists()
 
 
 def test_a_generated_run_name_is_recorded_in_the_config(tiny_smollm2_dir, tmp_path, reward_env):

@@ -12,6 +12,9 @@ from miles.recipes.registry import load_recipe, merge_recipe, recipe_names
 FLAT = yaml.safe_load((Path(__file__).parent / "flat_resolved_configs.yaml").read_text())
 # Shipped recipes added after the nested config: they have no flat predecessor.
 NESTED_ONLY = {"smollm2_grpo_multiturn_calculator", "smollm2_grpo_code"}
+# Changed on purpose since: the OPD recipe named the policy as its teacher (every advantage 0); now its user passes one.
+TEACHER = "/models/stronger-teacher"
+REQUIRED = {"smollm2_opd_arithmetic": ["--models.teacher.path", TEACHER]}
 
 
 def _nested(flat: dict) -> dict:
@@ -104,7 +107,9 @@ def test_the_flat_snapshot_covers_every_shipped_recipe():
 @pytest.mark.parametrize("name", sorted(FLAT))
 def test_each_shipped_recipe_resolves_to_its_flat_predecessor_field_for_field(name):
     expected = _nested(FLAT[name])
-    got = resolve_config(name, []).model_dump(mode="json")
+    if name in REQUIRED:
+        expected["models"]["teacher"]["path"] = TEACHER
+    got = resolve_config(name, REQUIRED.get(name, [])).model_dump(mode="json")
     assert got.keys() == expected.keys()
     for section in expected:
         assert got[section] == expected[section], section

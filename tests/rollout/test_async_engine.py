@@ -138,6 +138,28 @@ def test_pause_abort_ends_running_and_queued_requests_with_their_partial_outputs
     assert engine.generate_batch(requests(1, SamplingConfig(max_new_tokens=4)))[0].finish_reason in ("stop", "length")
 
 
+def test_close_mid_generation_aborts_the_running_requests_and_ends_the_worker_thread(tiny_llama_dir):
+    """A run stopped at once mid-generation (a second Ctrl-C) closes the engine: no worker thread may be left in
+    torch when the process exits (CPython ends such a daemon thread with pthread_exit, whose unwinding through C++
+    frames called std::terminate: exit 134)."""
+    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[30], max_batch_size=2)
+    held, _ = hold_sampling_step(engine, 3, until=engine._interrupt.is_set, num_prompts=2)
+    reqs = requests(2)
+
+    async def run():
+        tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
+        assert await asyncio.to_thread(held.wait, 30)
+        worker = engine._worker
+        await asyncio.to_thread(engine.close)
+        return worker, await asyncio.gather(*tasks)
+
+    worker, outputs = asyncio.run(run())
+    assert worker is not None and not worker.is_alive()  # joined by close, not left to the interpreter's exit
+    assert [o.finish_reason for o in outputs] == ["abort", "abort"]
+    assert [len(o.response_tokens) for o in outputs] == [3, 3]  # stopped right after the held decode step
+    engine.close()  # idempotent: nothing runs
+
+
 def test_aborted_samples_are_aborted_not_failed_and_keep_their_partial_response():
     class AbortingEngine:
         weight_version = 1

@@ -95,3 +95,13 @@ def test_last_boxed_matches_nested_braces(text, content):
 )
 def test_math_reward_compares_the_last_boxed_answer(label, text, expected):
     assert math_reward(_sample(label, text)) == expected
+
+
+def test_math_reward_scores_alike_in_the_thread_reward_timeout_s_calls_it_in():
+    """reward.timeout_s (60 s by default) calls the reward in a thread, where math-verify's own signal-based
+    timeouts cannot run: each call raised ValueError there until math_reward turned them off in threads."""
+    from miles.core.rewards import TimeLimitedReward
+
+    reward = TimeLimitedReward(math_reward, timeout_s=30)
+    assert reward(_sample("0.5", r"\boxed{\frac{1}{2}}")) == 1.0
+    assert reward(_sample("3", r"first \boxed{3}, then \boxed{\frac{1}{2}}")) == 0.0

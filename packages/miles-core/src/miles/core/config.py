@@ -5,6 +5,7 @@ reads no file (model paths are checked when a run is built)."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 from miles.core.algorithms.config import (
@@ -614,6 +615,22 @@ def uses_critic(advantage: AdvantageConfig) -> bool:
     return ESTIMATORS[advantage.estimator].critic and not advantage.estimator_path
 
 
+TEACHER_FIX = (
+    "Set --models.teacher.path to a stronger model with the policy's tokenizer (an HF model directory: a larger "
+    "model of the policy's family, or the policy after RL training, e.g. runs/NAME/checkpoints/step_N/model)."
+)
+
+
+def same_model_path(a: str, b: str) -> bool:
+    """The two model paths name the same registered model or directory, as far as the strings tell (no disk read:
+    ``~``, ``.``/``..`` and a trailing slash are normalized, a relative path is taken from the current directory)."""
+
+    def normal(path: str) -> str:
+        return os.path.abspath(os.path.expanduser(path)) if os.sep in path or path.startswith(("~", ".")) else path
+
+    return normal(a) == normal(b)
+
+
 def check_models(models: ModelsConfig, algorithm: AlgorithmConfig) -> None:
     """Refuse a model the algorithm never reads, and an algorithm without the model it needs (registry-derived).
 
@@ -638,7 +655,13 @@ def check_models(models: ModelsConfig, algorithm: AlgorithmConfig) -> None:
     if needs_teacher and models.teacher is None:
         raise ValueError(
             f"algorithm.advantage.estimator is {estimator!r} but models.teacher is off: on-policy distillation "
-            "needs a teacher's log-probs. Set --models.teacher.path /path/to/teacher (same tokenizer)."
+            f"needs a teacher's log-probs. {TEACHER_FIX}"
+        )
+    if needs_teacher and same_model_path(models.teacher.path, models.policy.path):
+        raise ValueError(
+            f"models.teacher.path is {models.teacher.path!r}, the policy itself (models.policy.path "
+            f"{models.policy.path!r}): on-policy distillation from the policy has advantage teacher_log_prob - "
+            f"log_prob = 0 at every token, so the loss, the gradient and the update are 0. {TEACHER_FIX}"
         )
     if models.teacher is not None and not needs_teacher and not advantage.estimator_path:
         raise ValueError(

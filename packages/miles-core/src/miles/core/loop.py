@@ -26,6 +26,7 @@ from miles.core.algorithms.masking import (
     response_mask,
 )
 from miles.core.algorithms.objective import LossCounts, PolicyObjective
+from miles.core.algorithms.registry import ESTIMATORS
 from miles.core.batch import TrainBatch, build_train_batch
 from miles.core.buffer import RolloutGroups, collect_groups
 from miles.core.config import AlgorithmConfig, CriticConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
@@ -54,6 +55,24 @@ logger = logging.getLogger(__name__)
 
 # Token id written into padding; attention masks hide it, so any valid id works.
 PAD_TOKEN_ID = 0
+
+
+class AllSamplesFailed(RuntimeError):
+    """No sample of a step could be trained: each failed (its reward raised, timed out or returned no finite number;
+    the engine failed it) or was aborted, so the run stops instead of training on nothing.
+
+    Attributes:
+        step: the step, numbered as the progress bar and ``metrics.jsonl`` number it (1 for the first).
+        num_samples: the samples of the step.
+        reasons: the distinct failure reasons (``metadata["failure"]``, else the status), in sample order.
+        kinds: the distinct failure kinds (``metadata["failure_kind"]``, e.g. reward_timeout), in sample order.
+    """
+
+    def __init__(self, step: int, samples: Sequence[Sample]) -> None:
+        self.step, self.num_samples = step, len(samples)
+        self.reasons = list(dict.fromkeys(s.metadata.get("failure", s.status.value) for s in samples))
+        self.kinds = list(dict.fromkeys(s.metadata.get("failure_kind", "") for s in samples))
+        super().__init__(f"step {step}: all {len(samples)} samples failed; reasons: {self.reasons[:5]}")
 
 
 @dataclass
@@ -228,8 +247,7 @@ def run_step(
     t_rollout = time.perf_counter() - t0
     scored = [s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples]
     if not any(scored):
-        reasons = {s.metadata.get("failure", s.status.value) for s in samples}
-        raise RuntimeError(f"step {step}: all {len(samples)} samples failed; reasons: {sorted(reasons)[:5]}")
+        raise AllSamplesFailed(step + 1, samples)
     # Versions behind the weights this step trains against, from each sample's oldest token.
     staleness = [group_staleness([s], c.publisher.version) for s in samples if s.weight_versions]
     scores = torch.tensor([s.reward if v else 0.0 for s, v in zip(samples, scored)], dtype=torch.float32)
@@ -293,8 +311,11 @@ def run_step(
     metrics.update(failure_counts(samples))
     metrics.update(outcome_counts(samples))
     metrics["groups/no_signal_ratio"] = no_signal_ratio(rewards, inputs.group_index, valid_t)
-    if metrics["groups/no_signal_ratio"] == 1.0:
-        warn_once(logger, NO_SIGNAL_WARNING, step + 1, int(inputs.group_index.unique().numel()), metrics["reward/mean"])
+    entry = ESTIMATORS[advantage.estimator]  # a teacher or a critic gives advantages without reward differences
+    from_rewards = advantage.estimator_path or not (entry.critic or "teacher_log_probs" in entry.needs)
+    if metrics["groups/no_signal_ratio"] == 1.0 and from_rewards:
+        warning = no_signal_warning(scores[valid_t], n_samples_per_prompt=rollout.n_samples_per_prompt)
+        warn_once(logger, warning, step + 1, int(inputs.group_index.unique().numel()), metrics["reward/mean"])
     num_response_tokens = sum(s.response_length for s in samples)
     num_tokens = sum(len(s.tokens) for s in samples)
     metrics.update(train_metrics)
@@ -473,14 +494,55 @@ def train_step(
     return metrics
 
 
-NO_SIGNAL_WARNING = (
-    "step %d: all %d groups have zero reward variance (groups/no_signal_ratio 1.0; mean reward %.3g): every valid "
-    "sample of a prompt got the same reward, so every advantage is 0 and the step learns nothing. Fixes: an easier "
-    "task or a larger model; more samples per prompt (--rollout.n-samples-per-prompt 8); a longer "
-    "--rollout.sampling.max-new-tokens if answers are cut off (see truncated_ratio); check the reward function and "
-    "the answer format it expects (miles config show RECIPE); or keep only groups with signal "
-    "(--algorithm.dynamic-sampling.max-rounds 3). Shown once; metrics.jsonl has groups/no_signal_ratio for every step."
+# Samples per prompt below which more of them is advised when no group has signal: with 8, a prompt the policy
+# answers right 1 time in 10 yields a group with signal more often than not (1 - 0.9^8 = 0.57).
+ENOUGH_SAMPLES_PER_PROMPT = 8
+_NO_SIGNAL = "step %d: all %d groups have zero reward variance (groups/no_signal_ratio 1.0; mean reward %.3g): "
+_ONCE = " Shown once; metrics.jsonl has groups/no_signal_ratio and reward/mean for every step."
+SOLVED_WARNING = (
+    _NO_SIGNAL + "every sample got reward 1 or more: the policy solves these prompts, so every advantage is 0 and "
+    "the step learns nothing. The task is solved at this difficulty: stop here (the checkpoints hold the result) or "
+    "train on a harder task (a harder --data.task-kwargs, another dataset); more steps or more samples per prompt "
+    "will not help." + _ONCE
 )
+ALL_WRONG_WARNING = (
+    _NO_SIGNAL + "no sample got a positive reward, so every advantage is 0 and the step learns nothing. Fixes: an "
+    "easier task or a larger model;{more_samples} a longer --rollout.sampling.max-new-tokens if answers are cut off "
+    "(see truncated_ratio); check the reward function and the answer format it expects (miles config show RECIPE)."
+    + _ONCE
+)
+NO_SIGNAL_WARNING = (
+    _NO_SIGNAL + "every valid sample of a prompt got the same reward, so every advantage is 0 and the step learns "
+    "nothing. Fixes: an easier task or a larger model;{more_samples} a longer --rollout.sampling.max-new-tokens if "
+    "answers are cut off (see truncated_ratio); check the reward function and the answer format it expects (miles "
+    "config show RECIPE); or keep only groups with signal (--algorithm.dynamic-sampling.max-rounds 3)." + _ONCE
+)
+
+
+def no_signal_warning(valid_rewards: torch.Tensor, *, n_samples_per_prompt: int) -> str:
+    """The warning (a ``%``-template taking step, groups, mean reward) for a step in which no group has signal.
+
+    Tells a solved task (every sample got reward >= 1, the reward of a right answer) from one the policy fails
+    (no reward above 0) and from groups that are each uniform but differ; advises more samples per prompt only
+    below ``ENOUGH_SAMPLES_PER_PROMPT``.
+
+    Args:
+        valid_rewards: [V] float32, the reward function's values of the samples entering the group statistics
+            (``AdvantageInputs.valid``); may be empty.
+        n_samples_per_prompt: the run's ``rollout.n_samples_per_prompt``.
+    Returns: one of ``SOLVED_WARNING``, ``ALL_WRONG_WARNING``, ``NO_SIGNAL_WARNING``, the last two with the advice
+        on samples per prompt filled in or left out.
+    """
+    if valid_rewards.numel() and bool((valid_rewards >= 1.0).all()):
+        return SOLVED_WARNING
+    more_samples = ""
+    if n_samples_per_prompt < ENOUGH_SAMPLES_PER_PROMPT:
+        more_samples = (
+            f" more samples per prompt (--rollout.n-samples-per-prompt {ENOUGH_SAMPLES_PER_PROMPT}; now "
+            f"{n_samples_per_prompt});"
+        )
+    all_wrong = valid_rewards.numel() and bool((valid_rewards <= 0.0).all())
+    return (ALL_WRONG_WARNING if all_wrong else NO_SIGNAL_WARNING).format(more_samples=more_samples)
 
 
 def no_signal_ratio(rewards: torch.Tensor, group_index: torch.Tensor, valid: torch.Tensor) -> float:

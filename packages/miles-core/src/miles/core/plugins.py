@@ -3,17 +3,25 @@
 ``EXTENSION_POINTS`` is the one table of them (the config key, the expected signature, the positional arguments
 checked at start-up, the protocol in ``miles.core.protocols`` and the runnable example under ``examples/plugins``);
 ``load_plugin`` imports a path and checks it against its key's entry, so that a wrong path or signature fails
-before any model loads with one line naming the key and the expected signature. ``docs/extending.md`` is the table
+before any model loads with one line naming the key and the expected signature. A path is ``module:attr`` (a
+module on ``sys.path`` or in the current directory) or ``path/to/file.py:attr``. ``docs/extending.md`` is the table
 for readers; ``tests/recipes/test_extension_points.py`` runs every example through the real loop.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import os
 import re
+import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 
@@ -176,7 +184,7 @@ def check_plugin_path(key: str, path: str, example: str) -> None:
         flag = "--" + base.replace("_", "-")
         if base != key:  # a list item
             example = f"'[{example}]'"
-        raise ValueError(f"{key} is {path!r}; expected module:attr, e.g. {flag} {example}")
+        raise ValueError(f"{key} is {path!r}; expected module:attr or path/to/file.py:attr, e.g. {flag} {example}")
 
 
 def extension_point(key: str) -> ExtensionPoint | None:
@@ -188,11 +196,15 @@ def load_plugin(path: str, *, key: str, num_positional: int | None = None) -> Ca
     """Import ``module:attr`` and return the callable, failing at start-up with the config key in the message.
 
     Args:
-        path: "package.module:function" (a dotted attr after the colon is allowed).
+        path: "package.module:function" (a dotted attr after the colon is allowed): the module is imported with the
+            current directory on ``sys.path`` (appended: it shadows no installed module); or
+            "path/to/file.py:function" (relative to the current directory), whose directory is appended to
+            ``sys.path`` as well, so that the file may import its neighbours.
         key: the dotted config key that named it, e.g. "reward.path" (quoted in errors).
         num_positional: if given, the callable must accept this many positional arguments; default: the key's
             ``EXTENSION_POINTS`` entry, whose signature the errors quote.
-    Raises: ValueError for a malformed path, ImportError/AttributeError naming the key, TypeError for a
+    Raises: ValueError for a malformed path, ImportError/AttributeError naming the key (an error raised while the
+        module runs, e.g. a SyntaxError, becomes an ImportError naming its file and line), TypeError for a
         non-callable or a wrong signature.
     """
     point = extension_point(key)
@@ -201,11 +213,11 @@ def load_plugin(path: str, *, key: str, num_positional: int | None = None) -> Ca
     expected = f"; expected {point.signature}" if point is not None else ""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{key} is {path!r}; expected 'module:attr', e.g. 'my_pkg.rewards:score'{expected}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ImportError(f"{key}: cannot import module {module_name!r} ({err}); is it on PYTHONPATH?") from err
+        raise ValueError(
+            f"{key} is {path!r}; expected 'module:attr' or 'path/to/file.py:attr', e.g. 'my_pkg.rewards:score'"
+            f"{expected}"
+        )
+    obj: Any = _import_file(module_name, key) if _is_file_path(module_name) else _import_module(module_name, key)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise AttributeError(f"{key}: module {module_name!r} has no attribute {attr!r}")
@@ -220,3 +232,64 @@ def load_plugin(path: str, *, key: str, num_positional: int | None = None) -> Ca
                 f"{key}: {path!r} must accept {num_positional} positional argument(s): {err}{expected}"
             ) from err
     return obj
+
+
+def _is_file_path(module_name: str) -> bool:
+    """A ``path/to/file.py`` rather than a dotted module name (which has neither a slash nor a ``.py`` suffix)."""
+    return module_name.endswith(".py") or "/" in module_name or os.sep in module_name
+
+
+def _append_to_sys_path(directory: str) -> None:
+    if directory not in sys.path and not (directory == os.getcwd() and ("" in sys.path or "." in sys.path)):
+        sys.path.append(directory)
+
+
+def _import_module(module_name: str, key: str) -> ModuleType:
+    _append_to_sys_path(os.getcwd())  # `miles` is a console script: unlike `python -m`, it puts no "" on sys.path
+    try:
+        return importlib.import_module(module_name)
+    except Exception as err:
+        missing = isinstance(err, ModuleNotFoundError) and f"{module_name}.".startswith(f"{err.name}.")
+        if not missing:  # the module is there but failed as it ran (a SyntaxError, an import of its own)
+            raise ImportError(f"{key}: importing module {module_name!r} failed: {_where(err)}") from err
+        raise ImportError(
+            f"{key}: cannot import module {module_name!r} ({err}); is it on PYTHONPATH or in the current directory "
+            f"({os.getcwd()})? A file can be named as path/to/file.py:attr"
+        ) from err
+
+
+def _import_file(file_name: str, key: str) -> ModuleType:
+    """Run ``file_name`` as a module, once per process: it is registered in ``sys.modules`` under its stem (or the
+    stem and a hash of its path, when another module has the stem), so that two plugins in one file share it and
+    its functions pickle by reference within this process."""
+    file = Path(file_name).expanduser().resolve()
+    if not file.is_file():
+        raise ImportError(
+            f"{key}: no file {file_name!r} (looked for {file}); name an existing file as path/to/file.py:attr, or a "
+            "module on PYTHONPATH or in the current directory as module:attr"
+        )
+    name = file.stem
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) != str(file):
+        name = f"{file.stem}_{hashlib.sha256(str(file).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    _append_to_sys_path(str(file.parent))
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None  # a .py file always has a source loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise ImportError(f"{key}: importing {file_name!r} failed: {_where(err)}") from err
+    return module
+
+
+def _where(err: Exception) -> str:
+    """``file:line: Type: message`` of an error raised while a plugin module ran (its innermost frame)."""
+    if isinstance(err, SyntaxError):
+        return f"{err.filename}:{err.lineno}: SyntaxError: {err.msg}"
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if not frame.filename.startswith("<")]
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""  # not importlib's frozen frames
+    return f"{where}{type(err).__name__}: {err}"

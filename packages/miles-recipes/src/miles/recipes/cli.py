@@ -226,18 +226,56 @@ def main(argv: list[str] | None = None) -> int:
 
         print(documented_yaml(cfg))  # noqa: T201
         return 0
-    from miles.recipes.checkpoint import load_run_state, read_latest
-    from miles.recipes.run import RunFailed, RunSetupError, run
+    from miles.recipes.run_dir import RunDirError, RunDirLock
 
     if resume is None:
         name = cfg.run.name or f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         run_dir = Path(cfg.run.dir) / name
-        if not overwrite and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
-            saved = read_latest(run_dir / "checkpoints")
+    # One writer per run directory: locked before anything in it is read to decide, deleted or written.
+    try:
+        lock = RunDirLock.acquire(run_dir, busy_hint=_busy_hint(resume, overwrite))
+    except RunDirError as err:
+        return _fail(err)
+    with lock:
+        if resume is not None:  # again under the lock: a run that ended meanwhile may have moved its latest
+            try:
+                cfg, run_dir, checkpoint = resolve_resume(resume, recipe, rest)
+            except ValueError as err:
+                return _fail(err)
+        return _train(cfg, run_dir, checkpoint, resumed=resume is not None, overwrite=overwrite)
+
+
+def _busy_hint(resume: str | None, overwrite: bool) -> str:
+    """The fix a refused second writer is told (``RunDirLock.acquire``)."""
+    stop = "stop that run first (Ctrl-C in its terminal, or kill -INT with its pid, saves a checkpoint)"
+    if resume is not None:
+        return f"{stop}, then --resume continues it"
+    if overwrite:
+        return f"{stop}, then --overwrite starts it over; or pick another --run.name"
+    return "pick another --run.name, or wait for that run to end"
+
+
+def _train(cfg: Any, run_dir: Path, checkpoint: Path | None, *, resumed: bool, overwrite: bool) -> int:
+    """``miles train`` once the run directory is locked: refuse a directory holding another run, then ``run``.
+
+    A run directory in which no training step completed (no checkpoint, no ``metrics.jsonl`` row past step 0: a
+    run that failed or was stopped in its first step) holds nothing to continue: a plain start replaces it.
+    """
+    from miles.recipes.checkpoint import load_run_state, read_latest
+    from miles.recipes.run import RunFailed, RunInputError, RunSetupError, run
+    from miles.recipes.run_dir import completed_steps
+
+    replace = overwrite
+    if not resumed and not overwrite and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+        saved = read_latest(run_dir / "checkpoints")
+        if saved is None and completed_steps(run_dir) == 0:
+            logger.info("run directory %s holds a run that completed no training step: starting it over", run_dir)
+            replace = True
+        else:
             how = f"its latest checkpoint is {saved.name}" if saved else "it has no checkpoint: it starts from step 0"
             return _fail(
-                f"run directory {run_dir} already has a run; continue it with --run.name {name} --resume ({how}), "
-                "start it over with --overwrite, or pick another --run.name"
+                f"run directory {run_dir} already has a run; continue it with --run.name {run_dir.name} --resume "
+                f"({how}), start it over with --overwrite, or pick another --run.name"
             )
     cfg = _with_run_name(cfg, run_dir.name)
     continue_cmd = f"{command_prefix()}miles train --run.name {run_dir.name}{_dir_flag(run_dir)} --resume"
@@ -250,13 +288,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"`{continue_cmd}`"
             )
             return 0
-    elif resume is not None:
+    elif resumed:
         logger.info("run %s has no checkpoint yet: starting it from step 0", run_dir.name)
-    restart = resume is not None and checkpoint is None  # a previous attempt without a checkpoint is replaced
+        replace = True  # a previous attempt without a checkpoint is replaced
     try:
-        result = run(cfg, run_dir, resume_from=checkpoint, replace_existing=overwrite or restart)
+        result = run(cfg, run_dir, resume_from=checkpoint, replace_existing=replace)
     except RunSetupError as err:
         return _fail(err)
+    except RunInputError as err:  # one line, exit 2: the user's reward (train.log has the line too)
+        saved = read_latest(run_dir / "checkpoints")
+        if saved is not None:
+            then = f"Then continue from {saved.name} with: {continue_cmd}"
+        elif completed_steps(run_dir):
+            then = f"Then start it again from step 0 with: {continue_cmd}"
+        else:
+            then = "No step was completed, so the same command starts the run again"
+        return _fail(f"{err}. {then}")
     except RunFailed as err:  # one line, no traceback (train.log has it); status 1: not a usage error
         _print_safely(f"miles: {err}. Continue with: {continue_cmd}")
         return 1

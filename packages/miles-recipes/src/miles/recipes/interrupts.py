@@ -5,6 +5,10 @@ with ``--resume``. A second signal raises ``KeyboardInterrupt`` at once; the run
 checkpoint (periodic ones are on by default). While a checkpoint is being written the second signal waits for
 the write to end: a checkpoint is published whole or not at all either way (temp dir + rename), but waiting the
 few seconds keeps the step that was just trained.
+
+A signal within ``REPEAT_WINDOW_S`` of the one that started a stop (or abandoned the step) is the same request
+delivered twice, not a second one: ``uv run`` forwards SIGINT to its child when stdin is not a terminal, so one
+``kill -INT`` to the process group (or one Ctrl-C in some IDE consoles) arrives twice within milliseconds.
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 
 logger = logging.getLogger(__name__)
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Seconds after a handled signal in which another one counts as the same request (a duplicate delivery); a person
+# pressing Ctrl-C again to stop at once takes longer than this.
+REPEAT_WINDOW_S = 1.0
 
 
 class StopRequest:
@@ -32,6 +40,8 @@ class StopRequest:
         self.requested: str | None = None
         self._protected = 0
         self._abandon_after = False
+        self._abandoned = False
+        self._last_signal_at = -float("inf")  # time.monotonic() of the signal that last changed what happens
         self._previous: dict[int, object] = {}
 
     def __call__(self) -> bool:
@@ -45,6 +55,8 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._abandoned:  # a duplicate of the abandoning signal must not reach the default handler mid-cleanup
+            time.sleep(max(0.0, self._last_signal_at + REPEAT_WINDOW_S - time.monotonic()))
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -58,10 +70,16 @@ class StopRequest:
         finally:
             self._protected -= 1
         if self._abandon_after and not self._protected:
+            self._abandoned = True
             raise KeyboardInterrupt
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        now = time.monotonic()
+        if now - self._last_signal_at < REPEAT_WINDOW_S:
+            logger.debug("%s within %.1fs of the previous signal: taken as the same request", name, REPEAT_WINDOW_S)
+            return
+        self._last_signal_at = now
         if self.requested is None:
             self.requested = name
             logger.warning(
@@ -73,4 +91,5 @@ class StopRequest:
             self._abandon_after = True
             logger.warning("%s again: stopping as soon as the checkpoint being written is complete", name)
         else:
+            self._abandoned = True
             raise KeyboardInterrupt

@@ -12,6 +12,7 @@ import logging
 import logging.handlers
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 from miles.core.algorithms.config import load_algorithm_plugins
-from miles.core.loop import Components, train
+from miles.core.loop import AllSamplesFailed, Components, train
 from miles.core.plugins import load_plugin
 from miles.core.producer import PromptQueue
 from miles.core.protocols import DataContext, DataSource, MetricsSink, RewardFn, RunContext, TrainBackend
@@ -32,6 +33,7 @@ from miles.recipes.checkpoint import restore_run_checkpoint, save_run_checkpoint
 from miles.recipes.config import MilesConfig
 from miles.recipes.interrupts import StopRequest
 from miles.recipes.registry import check_model_path, resolve_model_path
+from miles.recipes.run_dir import LOCK_FILE, RunDirError, check_room, checkpoint_size
 from miles.recipes.sinks import (
     WANDB_MISSING,
     ConsoleSink,
@@ -55,6 +57,12 @@ LOG_FILE = "train.log"
 class RunSetupError(Exception):
     """A user-caused problem found while building a run (a bad data file, reward plugin, ...): one line that
     names the config key and the fix. Nothing has been written to the run directory when it is raised."""
+
+
+class RunInputError(Exception):
+    """A run that started stopped on a problem with what the user supplied that only training reveals (every sample
+    of a step failed: a reward function that raises, hangs or returns NaN on everything): one line naming the
+    config key (the reward function) and the first failure reasons. ``miles train`` exits 2."""
 
 
 class RunFailed(Exception):
@@ -197,9 +205,9 @@ def build_mixture_sources(data: DataConfig, *, num_eval_prompts: int) -> tuple[D
 
 
 def build_reward(reward: RewardConfig) -> RewardFn:
-    """The reward function a reward section names: in this process (time-limited if ``reward.timeout_s`` is set)
-    or, with ``reward.workers > 0``, a started ``ProcessPoolReward``, which holds processes: the caller closes it
-    (``close()``; it also closes at interpreter exit)."""
+    """The reward function a reward section names: in this process (each call in a thread limited to
+    ``reward.timeout_s``, unless it is 0) or, with ``reward.workers > 0``, a started ``ProcessPoolReward``, which
+    holds processes: the caller closes it (``close()``; it also closes at interpreter exit)."""
     from functools import partial
 
     from miles.core.reward_pool import ProcessPoolReward
@@ -609,10 +617,14 @@ def run(
         resume_from: a checkpoint directory to continue from exactly: weights, optimizer, scheduler, data
             position, RNG states and weight version are restored, and training runs the remaining steps up to
             ``loop.num_steps``; ``metrics.jsonl`` rows after the checkpoint's step are dropped.
-        replace_existing: delete what ``run_dir`` holds (once the build succeeded) and start it from step 0.
+        replace_existing: delete what ``run_dir`` holds (once the build succeeded; its lock file stays) and start
+            it from step 0.
     Returns: how the run ended (``RunResult``).
-    Raises: RunSetupError for a user-caused build problem (see ``build_inputs``); RunFailed when a trainer rank
-        died (execution.mode ray) and no trainer restart is left; KeyboardInterrupt on a second signal.
+    Raises: RunSetupError for a user-caused build problem (see ``build_inputs``; also a run directory that cannot
+        be written or whose disk lacks room for one checkpoint, found before any model loads); RunInputError when
+        every sample of a step failed; RunFailed when a trainer rank died (execution.mode ray) and no trainer
+        restart is left; KeyboardInterrupt on a second signal. Each of these, and any other exception, is written
+        to ``train.log`` once the run directory is written.
     """
     from miles.core.publisher import EnginePublisher
     from miles.rollout.engines.launch import launch_engine
@@ -635,6 +647,7 @@ def run(
         if cfg.loop.mode != "sync":  # prompts generated ahead and not yet trained are stored with checkpoints
             data_source = PromptQueue(data_source)
         model_path = resolve_model_path(cfg.models.policy.path, key="models.policy.path")
+        _check_room(cfg, run_dir, model_path=model_path, resume_from=resume_from)  # before any model loads
         t0 = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         ray_mode = cfg.execution.mode == "ray"
@@ -673,7 +686,7 @@ def run(
             time.perf_counter() - t0,
         )
         # Built: from here on the run directory is written.
-        if replace_existing:
+        if replace_existing and run_dir.is_dir():
             _remove_run_dir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         launched.move_logs(run_dir / "servers")
@@ -749,8 +762,8 @@ def run(
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         root = logging.getLogger()
-        console_level = min(
-            (h.level for h in root.handlers if type(h) is logging.StreamHandler), default=logging.NOTSET
+        console_level = min(  # without a console handler, what logging's last resort shows (tqdm adds one)
+            (h.level for h in root.handlers if type(h) is logging.StreamHandler), default=logging.WARNING
         )
 
         max_restarts, restarts = cfg.execution.ray.max_trainer_restarts, 0
@@ -803,6 +816,8 @@ def run(
             logger.debug("an engine failed", exc_info=True)
             first_line = str(err).splitlines()[0].rstrip(". ")
             raise RunFailed(f"{first_line}; the run stopped and {_last_checkpoint(final)}") from err
+        except AllSamplesFailed as err:
+            raise RunInputError(all_failed_message(err, cfg.reward)) from err
         finally:
             sink.close()
             if (run_dir / "metrics.jsonl").stat().st_size:
@@ -819,6 +834,49 @@ def run(
     )
 
 
+def all_failed_message(err: AllSamplesFailed, reward: RewardConfig) -> str:
+    """One line for a step in which every sample failed: the step, the reward function (``reward.path``, or the
+    built-in ``reward.type``), the first three distinct failure reasons and the fix."""
+    name = f"reward.path {reward.path!r}" if reward.type == "custom" else f"reward.type {reward.type!r}"
+    if reward.group_path:
+        name += f" with reward.group_path {reward.group_path!r}"
+    reasons = "; ".join(_shorten(reason) for reason in err.reasons[:3])
+    if len(err.reasons) > 3:
+        reasons += f"; and {len(err.reasons) - 3} more"
+    if err.kinds == ["reward_timeout"]:
+        fix = (
+            f"Make the reward function return within reward.timeout_s ({reward.timeout_s:g} s), or raise "
+            "--reward.timeout-s"
+        )
+    elif all(kind.startswith("reward_") for kind in err.kinds):
+        fix = "Fix the reward function (call it on one sample in Python to see its error)"
+    else:
+        fix = "Fix what the reasons name"
+    return f"step {err.step}: all {err.num_samples} samples failed (reward: {name}); first reasons: {reasons}. {fix}"
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_room(cfg: MilesConfig, run_dir: Path, *, model_path: Path, resume_from: Path | None) -> None:
+    """``check_room`` for one checkpoint of this run (the policy, and the critic trained beside it), estimated
+    from the models' files or the checkpoint resumed from; reads no weights.
+
+    Raises: RunSetupError naming the run directory, the sizes and the fix.
+    """
+    model_dirs = [model_path]
+    if cfg.models.critic is not None:
+        critic = cfg.models.critic.path
+        model_dirs.append(resolve_model_path(critic, key="models.critic.path") if critic else model_path)
+    size, how = checkpoint_size(resume_from=resume_from, model_dirs=model_dirs)
+    try:
+        check_room(run_dir, checkpoint_bytes=size, how=how, keep_checkpoints=cfg.loop.keep_checkpoints)
+    except RunDirError as err:
+        raise RunSetupError(str(err)) from err
+
+
 def _last_checkpoint(final: list[Path]) -> str:
     """Where a failed run continues from, for its one-line message."""
     return f"its last checkpoint is {final[-1]}" if final else "no checkpoint was written (it starts at step 0)"
@@ -828,6 +886,9 @@ def _last_checkpoint(final: list[Path]) -> str:
 def _run_log(run_dir: Path) -> Iterator:
     """DEBUG-level log of the ``miles`` loggers into ``run_dir/train.log``; records are buffered in memory until
     the yielded ``start()`` is called (once the run directory may be written), so a failed build writes nothing.
+
+    An exception that ends the run after ``start()`` is written to ``train.log`` alone (the console gets the
+    ``miles:`` line): ERROR with its message (and the traceback, for an unexpected one), or a line for an interrupt.
     """
     miles_logger = logging.getLogger("miles")
     previous_level = miles_logger.level
@@ -850,6 +911,10 @@ def _run_log(run_dir: Path) -> Iterator:
 
     try:
         yield start
+    except BaseException as err:
+        if file_handler:
+            _log_to_file(file_handler[0], err)
+        raise
     finally:
         miles_logger.removeHandler(buffer)
         buffer.close()
@@ -857,6 +922,19 @@ def _run_log(run_dir: Path) -> Iterator:
             miles_logger.removeHandler(handler)
             handler.close()
         miles_logger.setLevel(previous_level)
+
+
+def _log_to_file(handler: logging.Handler, err: BaseException) -> None:
+    """Write how a run ended on ``err`` to ``train.log``'s handler only."""
+    exc_info = None
+    if isinstance(err, KeyboardInterrupt):
+        level, message = logging.INFO, "interrupted (Ctrl-C or SIGTERM): the step in progress was abandoned"
+    elif isinstance(err, (RunInputError, RunFailed)):  # one line; the DEBUG lines above it tell the story
+        level, message = logging.ERROR, f"the run stopped: {err}"
+    else:
+        level, message = logging.ERROR, f"the run failed: {type(err).__name__}: {err}"
+        exc_info = (type(err), err, err.__traceback__)
+    handler.handle(logging.LogRecord(__name__, level, __file__, 0, message, None, exc_info))
 
 
 @contextmanager
@@ -870,11 +948,15 @@ def _console_level(level: int) -> Iterator[None]:
 
 
 def _remove_run_dir(run_dir: Path) -> None:
-    """Delete a run directory: renamed aside first (atomic), so a crash never leaves half of it."""
-    if not run_dir.exists():
+    """Delete what a run directory holds but its lock file (``miles train`` holds it: the directory itself must
+    stay). Each entry is renamed into a trash directory beside it (atomic), ``checkpoints/`` first, so a crash
+    midway never leaves part of a checkpoint, and a checkpoint never outlives the rest of its run."""
+    entries = sorted((p for p in run_dir.iterdir() if p.name != LOCK_FILE), key=lambda p: p.name != "checkpoints")
+    if not entries:
         return
-    trash = run_dir.with_name(f".{run_dir.name}.trash-{os.getpid()}")
-    os.replace(run_dir, trash)
+    trash = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.trash-", dir=run_dir.parent))
+    for entry in entries:
+        os.replace(entry, trash / entry.name)
     shutil.rmtree(trash, ignore_errors=True)
     logger.info("removed the previous contents of %s", run_dir)
 

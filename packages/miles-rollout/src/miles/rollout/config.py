@@ -443,8 +443,9 @@ class CodeRewardConfig(_Section):
         5.0,
         gt=0.0,
         description="Wall-clock seconds one test case's run may take; past it the program's process group is "
-        "killed and the sample scores 0 (reward_outcome timeout). A sample takes up to this times its number of "
-        "cases: keep reward.timeout_s above that (or 0).",
+        "killed and the sample scores 0 (reward_outcome timeout). The run stops at the first case that does not "
+        "pass, so a sample takes up to this plus its passing cases' time: reward.timeout_s (default 60) must be "
+        "above this.",
     )
     memory_limit_mib: int = Field(
         1024,
@@ -498,12 +499,17 @@ class RewardConfig(_Section):
         "Empty = none.",
     )
     timeout_s: float = Field(
-        0.0,
+        60.0,
         ge=0.0,
         description="Seconds one reward call may take; a slower call fails its sample (counted in samples/failed "
-        "and samples/failed_reward_timeout) instead of hanging the run. 0 = no limit. With reward.workers 0 the call "
-        "runs in a thread that is abandoned, not stopped; with workers > 0 its worker process is killed and "
-        "replaced. 30 is a sane value for remote or code-executing scorers.",
+        "and samples/failed_reward_timeout, reason naming reward.timeout_s) instead of hanging the run; a step in "
+        "which every call times out stops the run. The default 60 is far above what the shipped rewards take (math "
+        "and reasoning-gym: milliseconds; code: at most its cases x reward.code.time_limit_s, 15 s for the shipped "
+        "recipe's 3 cases) and bounds a hang. "
+        "With reward.workers 0 the call runs in a thread that is abandoned, not stopped; with workers > 0 its worker "
+        "process is killed and replaced. reward.type remote: all attempts of a sample share it, so with the remote "
+        "defaults (30 s per attempt, 3 retries: up to ~124 s) what runs past 60 s is cut off; 130 allows them all. "
+        "0 = no limit (a hanging reward hangs the run; with reward.workers 0 the call runs in the calling thread).",
     )
     workers: int = Field(
         0,
@@ -552,6 +558,15 @@ class RewardConfig(_Section):
         if self.type == "custom" and ":" not in self.path:
             raise ValueError(
                 f"reward.type is 'custom' but reward.path is {self.path!r}; set --reward.path my_module:my_reward"
+            )
+        limits = {"code": ("reward.code.time_limit_s", self.code.time_limit_s)}
+        limits["remote"] = ("reward.remote.timeout_s", self.remote.timeout_s)
+        if self.timeout_s and self.type in limits and self.timeout_s <= limits[self.type][1]:
+            key, value = limits[self.type]
+            raise ValueError(
+                f"reward.timeout_s is {self.timeout_s:g} but {key} is {value:g}: a reward call is cut off after "
+                f"reward.timeout_s, so not even one {'test case' if self.type == 'code' else 'attempt'} could finish. "
+                f"Set --reward.timeout-s above {value:g} (e.g. {4 * value:g}), or lower --{key.replace('_', '-')}."
             )
         if self.memory_limit_mib is not None and self.workers == 0:
             raise ValueError(

@@ -281,6 +281,21 @@ class EmbeddedEngine:
             self._paused = False
             self._start_worker()
 
+    def close(self) -> None:
+        """Stop for good: ``pause("abort")`` (every request ends with finish_reason "abort") and wait for the
+        worker thread to exit. Idempotent.
+
+        A run stopped mid-generation (a second Ctrl-C) must not leave the worker in torch's C++ code when the
+        interpreter exits: CPython ends a daemon thread that still runs then with ``pthread_exit``, and unwinding it
+        through a ``noexcept`` C++ frame calls ``std::terminate`` ("terminate called without an active exception",
+        exit status 134 instead of 130).
+        """
+        with self._state:
+            worker = self._worker
+        self.pause("abort")
+        if worker is not None:
+            worker.join()  # pause returned once no batch runs: the thread only frees memory before it ends
+
     def flush_cache(self) -> None:
         """No-op: the embedded engine keeps no KV cache between batches."""
 

@@ -281,7 +281,8 @@ def _embedded(cfg: EmbeddedEngineConfig, model_path: str | Path) -> LaunchedEngi
         model_path, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, logprob_mode=cfg.logprob_mode
     )
     sender = WeightSender(InProcessTransport(engine.receiver), delta=cfg.delta_weights)
-    return LaunchedEngine(engine, sender, f"embedded ({cfg.dtype}{', delta updates' if cfg.delta_weights else ''})")
+    description = f"embedded ({cfg.dtype}{', delta updates' if cfg.delta_weights else ''})"
+    return LaunchedEngine(engine, sender, description, closers=[engine.close])
 
 
 def _server_env(cfg: Any) -> dict[str, str]:

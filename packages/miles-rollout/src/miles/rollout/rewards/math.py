@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 
 from miles.core.sample import Sample
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def _not_own_timeout_notice(record: logging.LogRecord) -> bool:
+    """Drop math-verify's warning that its own timeouts are off: ``math_reward`` turns them off in threads, where
+    ``reward.timeout_s`` limits the call instead."""
+    return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_not_own_timeout_notice)
 
 
 def last_boxed(text: str) -> str | None:
@@ -56,16 +68,21 @@ def math_reward(sample: Sample) -> float:
     the whole text (the last number). So this is also the boxed-answer reward: both sides are compared as math
     (``0.5`` equals ``\\frac{1}{2}``, ``\\{1, 2\\}`` equals ``\\{2,1\\}``), and text answers (``\\text{Paris}``,
     a choice letter) as strings.
+
+    math-verify times its own parsing and comparison (5 s each) with ``signal.alarm``, which works in the main
+    thread only; called in another thread (``reward.timeout_s``'s, the default) it runs without them, and
+    ``reward.timeout_s`` is the limit.
     Raises: ValueError if the label is not a string.
     """
     from math_verify import parse, verify
 
     if not isinstance(sample.label, str):
         raise ValueError(f"sample {sample.index}: math reward needs a string label, got {type(sample.label).__name__}")
-    gold = parse(f"${gold_answer(sample.label)}$")
+    own_timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"${gold_answer(sample.label)}$", parsing_timeout=own_timeout)
     response = sample.response_text or ""
     boxed = last_boxed(response)
-    predicted = parse(f"${boxed}$" if boxed is not None else response)
+    predicted = parse(f"${boxed}$" if boxed is not None else response, parsing_timeout=own_timeout)
     if not predicted:
         return 0.0
-    return 1.0 if verify(gold, predicted) else 0.0
+    return 1.0 if verify(gold, predicted, timeout_seconds=own_timeout) else 0.0
