@@ -74,6 +74,31 @@ def test_a_hanging_reward_times_out_and_fails_only_its_sample():
     release.set()
 
 
+def test_a_batch_scores_its_samples_at_once_so_a_reward_hanging_on_all_costs_one_timeout():
+    # Each call waits for all 4 to be running: only calls made at the same time pass the barrier. One after another
+    # (the old behaviour: timeout_s per sample, 64 minutes for the default batch at 60 s) every call would time out.
+    barrier = threading.Barrier(4, timeout=20)
+
+    def needs_all_four(sample):
+        barrier.wait()
+        return float(sample.index)
+
+    samples = _samples(4)
+    assert score_samples(samples, TimeLimitedReward(needs_all_four, timeout_s=30)) == 0
+    assert [s.reward for s in samples] == [0.0, 1.0, 2.0, 3.0]
+
+    # A batch larger than max_hung runs in chunks of max_hung: 2 chunks of 2 here, each passing its own barrier.
+    pairs = threading.Barrier(2, timeout=20)
+
+    def needs_a_pair(sample):
+        pairs.wait()
+        return 1.0
+
+    samples = _samples(4)
+    assert score_samples(samples, TimeLimitedReward(needs_a_pair, timeout_s=30, max_hung=2)) == 0
+    assert [s.reward for s in samples] == [1.0] * 4
+
+
 def test_a_reward_that_keeps_hanging_is_no_longer_called_after_max_hung():
     release = threading.Event()
     calls = []
@@ -85,7 +110,7 @@ def test_a_reward_that_keeps_hanging_is_no_longer_called_after_max_hung():
     reward = TimeLimitedReward(hangs, timeout_s=0.05, max_hung=2)
     samples = _samples(4)
     assert score_samples(samples, reward) == 4
-    assert calls == [0, 1]  # the 3rd and 4th calls fail fast
+    assert sorted(calls) == [0, 1]  # the 3rd and 4th calls fail fast (the first two ran at once)
     assert "2 earlier reward calls are still running" in samples[3].metadata["failure"]
     release.set()
     with pytest.raises(ValueError, match="reward.timeout_s"):

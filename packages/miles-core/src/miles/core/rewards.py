@@ -14,6 +14,7 @@ import logging
 import math
 import numbers
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -184,7 +185,9 @@ class TimeLimitedReward:
     """``RewardFn`` wrapper: each call runs in a daemon thread and raises ``RewardTimeoutError`` after ``timeout_s``.
 
     ``score_samples`` turns the error into a FAILED sample, so a hanging scorer (a stuck HTTP call, a regex
-    blow-up) costs one sample and ``timeout_s`` seconds, not the run. Python cannot kill a thread: a hung call
+    blow-up) costs one sample and ``timeout_s`` seconds, not the run. ``call_batch`` (what ``score_samples`` uses)
+    starts every call of a batch at once against one deadline, so a scorer that hangs on every sample costs a batch
+    ``timeout_s`` in all, not ``timeout_s`` per sample one after another. Python cannot kill a thread: a hung call
     keeps its daemon thread (which never blocks interpreter exit). After ``max_hung`` calls are still running,
     further calls fail fast with a message, since the scorer is evidently broken and threads would pile up.
     ``ProcessPoolReward`` kills a hung call instead.
@@ -200,6 +203,54 @@ class TimeLimitedReward:
             raise ValueError(f"reward.timeout_s is {timeout_s}; it must be > 0 (0 in the config means no limit)")
         self.reward_fn, self.timeout_s, self.max_hung = reward_fn, timeout_s, max_hung
         self._hung: list[threading.Thread] = []
+
+    def call_batch(self, samples: Sequence[Sample]) -> list[RewardOutcome]:
+        """One call per sample, all running at once in daemon threads (at most ``max_hung`` minus the hung ones at
+        a time), each given until ``timeout_s`` after its chunk started; returns their outcomes in order (a call
+        still running then: ``RewardTimeoutError``). The scorer must allow concurrent calls (the built-in ones keep
+        no state between calls)."""
+        outcomes: list[RewardOutcome] = []
+        while len(outcomes) < len(samples):
+            self._hung = [t for t in self._hung if t.is_alive()]
+            room = self.max_hung - len(self._hung)
+            rest = samples[len(outcomes) :]
+            if room <= 0:  # the scorer is broken: each call fails fast with the message of __call__
+                outcomes.extend(_call(self, s) for s in rest)
+                break
+            outcomes.extend(self._at_once(rest[:room]))
+        return outcomes
+
+    def _at_once(self, samples: Sequence[Sample]) -> list[RewardOutcome]:
+        results: list[dict[str, object]] = [{} for _ in samples]
+
+        def call(sample: Sample, result: dict[str, object]) -> None:
+            try:
+                result["value"] = self.reward_fn(sample)
+            except BaseException as err:  # noqa: BLE001 - returned as the sample's outcome
+                result["error"] = err
+
+        threads = [
+            threading.Thread(target=call, args=(s, r), name=f"reward-{s.index}", daemon=True)
+            for s, r in zip(samples, results)
+        ]
+        deadline = time.monotonic() + self.timeout_s
+        for thread in threads:
+            thread.start()
+        outcomes = []
+        for thread, result in zip(threads, results):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                self._hung.append(thread)
+                err = RewardTimeoutError(f"reward function did not return within reward.timeout_s={self.timeout_s}s")
+                outcomes.append(RewardOutcome(error=err))
+            elif "error" in result:
+                error = result["error"]
+                if not isinstance(error, Exception):  # KeyboardInterrupt / SystemExit: not a sample failure
+                    raise error  # type: ignore[misc]
+                outcomes.append(RewardOutcome(error=error))
+            else:
+                outcomes.append(RewardOutcome(value=result["value"]))
+        return outcomes
 
     def __call__(self, sample: Sample) -> float:
         self._hung = [t for t in self._hung if t.is_alive()]
