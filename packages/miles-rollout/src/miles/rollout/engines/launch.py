@@ -303,7 +303,7 @@ def _vllm(
         servers = launch_vllm_servers(
             model_path,
             num_servers=cfg.num_servers,
-            python=cfg.python or os.environ.get("MILES_VLLM_PYTHON", ""),
+            python=cfg.python,  # "" = default_vllm_python()
             host=cfg.host,
             port=cfg.port,
             log_dir=log_dir,

