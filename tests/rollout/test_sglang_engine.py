@@ -87,6 +87,60 @@ def test_a_malformed_answer_raises_a_value_error_naming_the_request(body, messag
     assert message in str(err.value)
 
 
+def _encoded(values):
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.asarray(values, dtype="<i4").tobytes()).decode("ascii")
+
+
+def test_routed_experts_are_asked_for_and_decoded_one_block_per_token_the_last_one_unrouted():
+    # Prompt [1, 5, 9] + response [4, 2] = 5 tokens; SGLang routes the 4 it ran through the model (not the last
+    # sampled token): 4 x 2 layers x top-2 ids, in token-major order, as slime reads them.
+    assert "return_routed_experts" not in generate_payload(REQUEST, stop_token_ids=None)
+    assert generate_payload(REQUEST, stop_token_ids=None, return_routed_experts=True)["return_routed_experts"] is True
+    request = GenerateRequest([1, 5, 9], SamplingConfig(max_new_tokens=4), request_id="r1")
+    ids = list(range(16))
+    body = answer([4, 2], [-0.5, -1.5], "stop")
+    body["meta_info"]["routed_experts"] = _encoded(ids)
+    routed = parse_generate_response(body, request, routed_experts_shape=(2, 2)).routed_experts
+    assert routed.shape == (5, 2, 2) and routed.dtype.name == "int32"
+    assert routed[0].tolist() == [[0, 1], [2, 3]] and routed[3].tolist() == [[12, 13], [14, 15]]
+    assert routed[4].tolist() == [[-1, -1], [-1, -1]]  # the last token: no routing recorded
+    assert parse_generate_response(body, request).routed_experts is None  # not asked: not read
+
+    for bad, message in [
+        (None, "no meta_info.routed_experts string.*--enable-return-routed-experts"),
+        ("not base64!", "not base64"),
+        (_encoded(ids[:12]), r"12 routed-expert ids; expected .* 4 x 2 x 2 = 16"),
+    ]:
+        body["meta_info"]["routed_experts"] = bad
+        with pytest.raises(ValueError, match=f"request r1.*{message}"):
+            parse_generate_response(body, request, routed_experts_shape=(2, 2))
+
+
+def test_the_moe_routing_shape_comes_from_the_models_config_and_a_dense_model_is_one_line(tmp_path):
+    from miles.rollout.config import SGLangEngineConfig
+    from miles.rollout.engines.launch import _server_command, moe_routing_shape
+    from miles.rollout.engines.server import ServerStartError
+
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"num_hidden_layers": 48, "num_experts_per_tok": 8}))
+    assert moe_routing_shape(moe) == (48, 8)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
+    with pytest.raises(ServerStartError, match="no num_hidden_layers / num_experts_per_tok .*drop --engine.routed"):
+        moe_routing_shape(dense)
+    command, _, _ = _server_command(SGLangEngineConfig(routed_experts=True), moe, 30000, 0)
+    assert "--enable-return-routed-experts" in command
+    assert "--enable-return-routed-experts" not in _server_command(SGLangEngineConfig(), moe, 30000, 0)[0]
+    with pytest.raises(ValueError, match="engine.routed_experts is true but engine.server is 'miles'"):
+        SGLangEngineConfig(routed_experts=True, server="miles")
+
+
 # -- the client over mocked servers ---------------------------------------------------------------
 class FakeServers:
     """``httpx.MockTransport`` handler: records (url, body); /generate times out ``timeouts`` times first."""
@@ -110,6 +164,21 @@ class FakeServers:
 
     def paths(self, path):
         return [(url, body) for url, body in self.calls if url.endswith(path)]
+
+
+def test_an_engine_asked_for_routed_experts_sends_the_flag_and_returns_them():
+    def server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert body["return_routed_experts"] is True
+        tokens = len(body["input_ids"]) + 2 - 1  # [7, 2] answered; all but the last token routed
+        answer_body = answer([7, 2], [-0.25, -0.5], "stop")
+        answer_body["meta_info"]["routed_experts"] = _encoded([3] * tokens * 4 * 1)
+        return httpx.Response(200, json=answer_body)
+
+    engine = SGLangEngine(["http://w1"], routed_experts_shape=(4, 1), transport=httpx.MockTransport(server))
+    output = asyncio.run(engine.generate(GenerateRequest([1, 5], SamplingConfig(max_new_tokens=2))))
+    assert output.routed_experts.shape == (4, 4, 1)
+    assert output.routed_experts[:3].tolist() == [[[3]] * 4] * 3 and output.routed_experts[3].tolist() == [[-1]] * 4
 
 
 def test_a_timed_out_request_is_aborted_everywhere_and_retried_with_the_same_rid_and_seed():

@@ -367,6 +367,13 @@ class SGLangEngineConfig(_ServerEngineConfig):
         "a Ray actor that Ray restarts) and when it restarts one; a restarted server is brought to the run's "
         "current weights before it rejoins the router. Not used in local mode or with engine.urls.",
     )
+    routed_experts: bool = Field(
+        False,
+        description="MoE routing replay (R3): every /generate asks for the experts each token was routed to "
+        "(return_routed_experts; the SGLang servers Miles starts get --enable-return-routed-experts), read as "
+        "[tokens, num_layers, top_k] with num_layers and top_k (num_experts_per_tok) from the model's config.json. "
+        "server sglang only (miles serve runs dense CPU models and reports none).",
+    )
     max_batch_size: int = Field(64, ge=1, description="miles serve: sequences per generate call.")
     logprob_mode: Literal["prefill", "decode"] = Field(
         "decode", description="miles serve: log-probs from the decode steps (as SGLang) or a prefill rescoring."
@@ -374,6 +381,11 @@ class SGLangEngineConfig(_ServerEngineConfig):
 
     @model_validator(mode="after")
     def _check(self) -> SGLangEngineConfig:
+        if self.routed_experts and self.server == "miles" and not self.urls:
+            raise ValueError(
+                "engine.routed_experts is true but engine.server is 'miles': miles serve runs dense models and "
+                "reports no routed experts. Use --engine.server sglang (GPU) or drop --engine.routed-experts."
+            )
         if self.urls and self.health_check != HealthCheckConfig():
             changed = next(k for k, v in self.health_check if v != HealthCheckConfig.model_fields[k].default)
             key = f"engine.health_check.{changed}"

@@ -341,6 +341,31 @@ def _vllm(
     return LaunchedEngine(engine, sink, f"vLLM {cfg.dtype} at {where}", [engine.close], servers, factory)
 
 
+def moe_routing_shape(model_path: str | Path) -> tuple[int, int]:
+    """(num_layers, top_k) of the MoE model at ``model_path`` from its HF ``config.json``: ``num_hidden_layers`` and
+    ``num_experts_per_tok`` (Qwen3-MoE, DeepSeek-V3 / Kimi K2, GLM-4.5 MoE, Mixtral, gpt-oss), the shape of the
+    routing SGLang reports per token (every layer, dense ones included, as its capturer records them).
+    Raises: ServerStartError (one line) when the file or either key is missing, i.e. not an MoE model.
+    """
+    import json
+
+    from miles.rollout.engines.server import ServerStartError
+
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ServerStartError(f"engine.routed_experts needs the model's config.json: {path}: {err}") from None
+    config = config.get("text_config", config)  # multimodal configs nest the language model's
+    layers, top_k = config.get("num_hidden_layers"), config.get("num_experts_per_tok")
+    if not isinstance(layers, int) or not isinstance(top_k, int) or layers < 1 or top_k < 1:
+        raise ServerStartError(
+            f"engine.routed_experts is true but {path} has no num_hidden_layers / num_experts_per_tok "
+            f"({layers!r} / {top_k!r}): routing replay is for MoE models; drop --engine.routed-experts"
+        )
+    return layers, top_k
+
+
 def _sglang(
     cfg: SGLangEngineConfig, model_path: str | Path, log_dir: Path, seed: int, *, server_actors: bool, disk_root: str
 ) -> LaunchedEngine:
@@ -381,6 +406,7 @@ def _sglang(
         stop_token_ids=stop_token_ids(model_path),
         request_timeout_s=cfg.request_timeout_s,
         max_retries=cfg.max_retries,
+        routed_experts_shape=moe_routing_shape(model_path) if cfg.routed_experts else None,
     )
     where = ", ".join(urls) + (f" behind sglang-router at {router_url}" if router_url else "")
     owner = ", each in a Ray actor" if launched.server_actors else ""
@@ -413,7 +439,10 @@ def _server_command(cfg: SGLangEngineConfig, model_path: str | Path, port: int, 
             *cfg.extra_args,
         ]  # fmt: skip
         return command, f"miles serve {i}", "check the model path and the log above"
-    command = launch_command(model_path, host=cfg.host, port=port, python=cfg.python, extra_args=cfg.extra_args)
+    extra = list(cfg.extra_args)
+    if cfg.routed_experts and "--enable-return-routed-experts" not in extra:
+        extra.insert(0, "--enable-return-routed-experts")
+    command = launch_command(model_path, host=cfg.host, port=port, python=cfg.python, extra_args=extra)
     hint = "SGLang needs a GPU and `pip install sglang`; on a CPU use --engine.server miles"
     return command, f"SGLang server {i}", hint
 

@@ -116,6 +116,10 @@ class SGLangEngine:
             (0.5 with 2 retries: 0.5 s then 1 s); retries after a timeout go at once. 0 = no wait.
         control_timeout_s: timeout of pause, continue, flush and the other control calls.
         transport: an ``httpx`` transport for every request (None: real connections; tests: ``httpx.MockTransport``).
+        routed_experts_shape: (num_layers, top_k) of an MoE model to ask every ``/generate`` for the experts each
+            token was routed to (``return_routed_experts``; the server needs ``--enable-return-routed-experts``):
+            ``GenerateOutput.routed_experts`` [prompt + response tokens, num_layers, top_k] int32, for routing
+            replay (R3). None: not asked.
     Raises: ValueError for no workers, a timeout <= 0, max_retries < 0 or retry_backoff_s < 0.
 
     ``pause`` returns [] (SGLang's ``/pause_generation`` returns no outputs): the interrupted requests' outputs
@@ -135,6 +139,7 @@ class SGLangEngine:
         retry_backoff_s: float = 0.5,
         control_timeout_s: float = 300.0,
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+        routed_experts_shape: tuple[int, int] | None = None,
     ) -> None:
         if not worker_urls:
             raise ValueError("SGLangEngine needs at least one worker URL (http://host:port)")
@@ -153,6 +158,7 @@ class SGLangEngine:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.control_timeout_s = control_timeout_s
+        self.routed_experts_shape = routed_experts_shape  # (num_layers, top_k): ask for each token's MoE experts
         self._transport = transport
         self._next_worker = itertools.cycle(self.worker_urls)
         self._lock = threading.Lock()
@@ -176,7 +182,9 @@ class SGLangEngine:
         """``Engine.generate`` through ``/generate``; ``on_finished`` is called when the answer arrives."""
         if not request.prompt_tokens:
             raise ValueError("a generate request has an empty prompt; every request needs at least one token")
-        payload = generate_payload(request, stop_token_ids=self.stop_token_ids)
+        payload = generate_payload(
+            request, stop_token_ids=self.stop_token_ids, return_routed_experts=self.routed_experts_shape is not None
+        )
         client = self._async_client()
         last_error: Exception | str | None = None
         failed_urls: set[str] = set()
@@ -214,7 +222,9 @@ class SGLangEngine:
                     f"{_message(response)}"
                 )
             try:
-                output = parse_generate_response(response.json(), request)
+                output = parse_generate_response(
+                    response.json(), request, routed_experts_shape=self.routed_experts_shape
+                )
             except ValueError as err:  # malformed or non-finite: only this request's sample fails
                 raise RequestFailed(f"{url}/generate: {err}") from None
             if on_finished is not None:

@@ -5,17 +5,23 @@ Field names and semantics follow sgl-project/sglang ``managers/io_struct.py::Gen
 ``sampling/sampling_params.py::SamplingParams`` (00c17ca) and the answer slime's ``rollout/sglang_rollout.py``
 reads: tokens and log-probs from ``meta_info.output_token_logprobs`` as ``[log_prob, token_id, text]``, the finish
 reason from ``meta_info.finish_reason.type`` ("stop" / "length" / "abort"), the weight version, a string, from
-``meta_info.weight_version``. SGLang's sampling: temperature 0 is greedy (temperature 1, top_k 1); top_k -1 is
+``meta_info.weight_version``, and with ``return_routed_experts`` (a server started with
+``--enable-return-routed-experts``) ``meta_info.routed_experts``: base64 of int32 expert ids, one
+``[num_layers, top_k]`` block per token of prompt + response but the last (SGLang's ``RoutedExpertsCapturer``, PR
+12162; slime decodes it the same way). SGLang's sampling: temperature 0 is greedy (temperature 1, top_k 1); top_k -1 is
 off and 0 invalid (Miles: 0 is off); max_new_tokens defaults to 128; ``sampling_seed`` seeds one request.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from miles.core.config import SamplingConfig
 from miles.core.protocols import FinishReason, GenerateOutput, GenerateRequest
 
@@ -48,8 +54,11 @@ SAMPLING_NEUTRAL: dict[str, tuple[Any, ...] | None] = {
 
 
 # -- client side: Miles -> SGLang -> Miles ---------------------------------------------------------
-def generate_payload(request: GenerateRequest, *, stop_token_ids: Sequence[int] | None) -> dict[str, Any]:
-    """The ``/generate`` body for ``request``: token ids in, log-probs requested, ``rid`` = ``request_id``."""
+def generate_payload(
+    request: GenerateRequest, *, stop_token_ids: Sequence[int] | None, return_routed_experts: bool = False
+) -> dict[str, Any]:
+    """The ``/generate`` body for ``request``: token ids in, log-probs requested, ``rid`` = ``request_id``; with
+    ``return_routed_experts`` the MoE experts each token was routed to (routing replay, R3)."""
     sampling = request.sampling
     params: dict[str, Any] = {
         "temperature": sampling.temperature,
@@ -61,17 +70,60 @@ def generate_payload(request: GenerateRequest, *, stop_token_ids: Sequence[int] 
         params["sampling_seed"] = request.seed
     if stop_token_ids is not None:
         params["stop_token_ids"] = list(stop_token_ids)
-    return {
+    body = {
         "input_ids": list(request.prompt_tokens),
         "sampling_params": params,
         "return_logprob": True,
         "rid": request.request_id,
         "stream": False,
     }
+    if return_routed_experts:  # only then: a server without the capturer rejects the flag
+        body["return_routed_experts"] = True
+    return body
 
 
-def parse_generate_response(body: Any, request: GenerateRequest) -> GenerateOutput:
-    """An SGLang ``/generate`` answer -> ``GenerateOutput`` for ``request``.
+def decode_routed_experts(encoded: Any, *, num_tokens: int, shape: tuple[int, int], where: str) -> np.ndarray:
+    """SGLang's ``meta_info.routed_experts`` -> ``[num_tokens, num_layers, top_k]`` int32 expert ids.
+
+    SGLang routes every token it runs through the model: the prompt and every sampled token but the last (which is
+    never fed back), so it sends ``num_tokens - 1`` blocks. The last row is filled with -1, "no recorded routing":
+    the trainer's router picks that token's experts itself (its logits predict past the sequence, so they are in
+    no loss).
+
+    Args:
+        encoded: base64 of ``(num_tokens - 1) * num_layers * top_k`` little-endian int32 values.
+        num_tokens: prompt + response tokens of the sample.
+        shape: (num_layers, top_k) of the model (every layer, as SGLang captures them).
+        where: names the answer in errors.
+    Raises: ValueError (one line naming the request) when it is missing, not base64, or not that many values.
+    """
+    if not isinstance(encoded, str):
+        raise ValueError(
+            f"{where} has no meta_info.routed_experts string; start SGLang with --enable-return-routed-experts "
+            "(engine.routed_experts true adds it to the servers Miles starts)"
+        )
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where} has meta_info.routed_experts that is not base64") from None
+    layers, top_k = shape
+    expected = (num_tokens - 1) * layers * top_k
+    if len(raw) != 4 * expected:
+        raise ValueError(
+            f"{where} has {len(raw) // 4} routed-expert ids; expected (tokens - 1) x layers x top_k = "
+            f"{num_tokens - 1} x {layers} x {top_k} = {expected} (is engine.routed_experts' model the served one?)"
+        )
+    routed = np.full((num_tokens, layers, top_k), -1, dtype=np.int32)
+    routed[: num_tokens - 1] = np.frombuffer(raw, dtype="<i4").reshape(num_tokens - 1, layers, top_k)
+    return routed
+
+
+def parse_generate_response(
+    body: Any, request: GenerateRequest, *, routed_experts_shape: tuple[int, int] | None = None
+) -> GenerateOutput:
+    """An SGLang ``/generate`` answer -> ``GenerateOutput`` for ``request``; with ``routed_experts_shape`` (num_layers,
+    top_k) also its ``routed_experts`` ([prompt + response tokens, num_layers, top_k] int32, see
+    ``decode_routed_experts``).
 
     Raises: ValueError (naming the request id) for a malformed answer or a null / non-finite log-prob.
     """
@@ -103,6 +155,14 @@ def parse_generate_response(body: Any, request: GenerateRequest) -> GenerateOutp
         version = parse_weight_version(meta.get("weight_version"))
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+    routed = None
+    if routed_experts_shape is not None:
+        routed = decode_routed_experts(
+            meta.get("routed_experts"),
+            num_tokens=len(request.prompt_tokens) + len(tokens),
+            shape=routed_experts_shape,
+            where=where,
+        )
     finish_reason: FinishReason = finish_type
     return GenerateOutput(
         response_tokens=tokens,
@@ -110,6 +170,7 @@ def parse_generate_response(body: Any, request: GenerateRequest) -> GenerateOutp
         finish_reason=finish_reason,
         request_id=request.request_id,
         weight_versions=[version],
+        routed_experts=routed,
     )
 
 
