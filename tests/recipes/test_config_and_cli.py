@@ -60,6 +60,11 @@ def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
             id="unknown_section",
         ),
         pytest.param(["--reward.type", "custom"], "--reward.path", id="custom_reward_without_path"),
+        pytest.param(  # was ignored: the recipe's reward ran and the plugin (even a missing one) never loaded
+            ["--reward.path", "no_such_module:fn"],
+            "reward.path is 'no_such_module:fn' but reward.type is 'reasoning_gym'.*Set --reward.type custom too",
+            id="reward_path_without_type_custom",
+        ),
         pytest.param(
             ["--model.path", "x"],
             r"model \[--model\]: unknown key.*the flat layout of an older Miles; it is now models.policy",

@@ -239,3 +239,58 @@ def test_a_disk_without_room_for_one_checkpoint_is_one_line_before_any_model_loa
     assert not (run / LOCK_FILE).exists()
     if not resumed:
         assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_a_checkpoint_that_cannot_be_written_mid_run_is_one_line_with_exit_1(
+    tiny_smollm2_dir, tmp_path, data, capsys, monkeypatch
+):
+    """A disk that fills up (torch's zip writer raises RuntimeError, not OSError) or a checkpoints/ directory that
+    becomes unwritable during the run: one line naming the checkpoint and what to do, not a traceback."""
+    import miles.recipes.run
+
+    (tmp_path / "odd_reward.py").write_text("def odd(sample):\n    return float(sample.response_tokens[0] % 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def disk_full(checkpoints, step, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 113324416 vs 113324304")
+
+    monkeypatch.setattr(miles.recipes.run, "save_run_checkpoint", disk_full)
+    args = _overrides(tiny_smollm2_dir, tmp_path / "runs", "full", data)
+    args[args.index("--reward.path") + 1] = "odd_reward:odd"
+    assert main(["train", *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    checkpoints = tmp_path / "runs" / "full" / "checkpoints"
+    assert err[-1].startswith(
+        f"miles: could not write checkpoint step_1 in {checkpoints} ([enforce fail at inline_container.cc:672] . "
+        "unexpected pos 113324416 vs 113324304); the run stopped and no checkpoint was written (it starts at step 0). "
+        "Free disk space (one checkpoint is ~12 bytes per parameter) or make the directory writable. Continue with: "
+    )
+    assert not any("Traceback" in line for line in err)
+    assert "could not write checkpoint step_1" in (tmp_path / "runs" / "full" / "train.log").read_text()
+
+    # Any other RuntimeError of a save is a bug, not a full disk: it is not dressed up as one.
+    monkeypatch.setattr(
+        miles.recipes.run, "save_run_checkpoint", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug"))
+    )
+    args[args.index("--run.name") + 1] = "bug"
+    with pytest.raises(RuntimeError, match="bug"):
+        main(["train", *args])
+
+
+def test_a_checkpoints_directory_root_cannot_write_is_caught_before_anything_loads(tmp_path, monkeypatch):
+    """os.access says yes to root on an immutable (chattr +i) directory; the check writes a probe file instead."""
+    from miles.recipes.run_dir import check_writable
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    real_mkstemp = __import__("tempfile").mkstemp
+
+    def immutable(*args, dir=None, **kwargs):
+        if Path(dir) == run / "checkpoints":
+            raise PermissionError(1, "Operation not permitted", str(run / "checkpoints" / ".write-probe-x"))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr("tempfile.mkstemp", immutable)
+    with pytest.raises(RunDirError, match=r"cannot be written \(Operation not permitted: .*checkpoints/.write-probe"):
+        check_writable(run)
+    assert sorted(p.name for p in run.rglob("*")) == ["checkpoints"]  # the probes of run/ left nothing

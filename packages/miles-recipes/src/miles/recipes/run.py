@@ -722,8 +722,8 @@ def run(
         def save(step: int) -> Path:
             t_save = time.perf_counter()
             with stop.protect():
-                final.append(
-                    save_run_checkpoint(
+                try:
+                    path = save_run_checkpoint(
                         checkpoints,
                         step,
                         backend=components.backend,  # the current trainer: a restart replaces it
@@ -733,7 +733,16 @@ def run(
                         tokenizer=tokenizer,
                         keep=cfg.loop.keep_checkpoints,
                     )
-                )
+                except (OSError, RuntimeError) as err:
+                    if not isinstance(err, OSError) and not _is_write_error(err):
+                        raise
+                    logger.debug("checkpoint step_%d could not be written", step, exc_info=True)
+                    raise RunFailed(
+                        f"could not write checkpoint step_{step} in {checkpoints} "
+                        f"({str(err).strip().splitlines()[0]}); the run stopped and {_last_checkpoint(final)}. "
+                        "Free disk space (one checkpoint is ~12 bytes per parameter) or make the directory writable"
+                    ) from err
+                final.append(path)
             logger.info("saved checkpoint %s in %.2fs", final[-1], time.perf_counter() - t_save)
             return final[-1]
 
@@ -832,6 +841,12 @@ def run(
         checkpoint=final[-1] if final else None,
         stopped_by=stop.requested if steps_done < cfg.loop.num_steps else None,
     )
+
+
+def _is_write_error(err: RuntimeError) -> bool:
+    """True for torch's own file-write failures (``torch.save`` on a full or vanishing disk raises RuntimeError from
+    its zip writer, not OSError); a trainer or engine failure is not one."""
+    return any(mark in str(err) for mark in ("PytorchStreamWriter", "inline_container", "file write failed"))
 
 
 def all_failed_message(err: AllSamplesFailed, reward: RewardConfig) -> str:

@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import struct
+import tempfile
 import time
 from pathlib import Path
 
@@ -213,6 +214,13 @@ def check_writable(run_dir: Path) -> None:
         mode = os.W_OK | os.X_OK if path.is_dir() else os.W_OK
         if not os.access(path, mode):
             raise RunDirError(_unwritable(run_dir, OSError(errno.EACCES, os.strerror(errno.EACCES), str(path))))
+        if path.is_dir():  # os.access says yes to root on an immutable (chattr +i) or read-only-mounted directory
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as err:
+                raise RunDirError(_unwritable(run_dir, err)) from None
 
 
 def check_room(run_dir: Path, *, checkpoint_bytes: int, how: str, keep_checkpoints: int) -> None:

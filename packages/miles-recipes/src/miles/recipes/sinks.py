@@ -377,7 +377,8 @@ def _draw_panel(ax: Axes, rows: list[dict[str, Any]], series) -> None:
             ax.plot(*zip(*points), label=label, **style)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also on short runs
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # a panel with no values (a run whose every step failed) has no legend
+        ax.legend()
 
 
 def _save_atomic(fig: Figure, out_path: Path) -> None:
