@@ -19,7 +19,7 @@ from miles.core.config import (
     RolloutConfig,
     SamplingConfig,
 )
-from miles.core.loop import Components, evaluate, run_step, train
+from miles.core.loop import Components, DynamicSamplingExhausted, evaluate, run_step, train
 from miles.core.sample import Sample, SampleStatus
 
 
@@ -92,11 +92,13 @@ def test_dynamic_sampling_without_any_signal_stops_after_exactly_the_round_bound
     rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2)
     with (
         caplog.at_level(logging.WARNING),
-        pytest.raises(RuntimeError, match=r"kept 0 of .*max_rounds=3 generation rounds \(6 groups filtered"),
+        pytest.raises(
+            DynamicSamplingExhausted, match=r"^step 1: .*kept 0 of .*max_rounds=3 generation rounds \(6 groups filtered"
+        ),
     ):
         run_step(_components(rollout_fn, reward_is_first_token), step=0, rollout=rollout, algorithm=algorithm)
     assert rollout_fn.calls == [2, 2, 2]
-    assert "filtered 6" in caplog.text
+    assert "step 1: dynamic sampling kept 0 groups, filtered 6" in caplog.text  # numbered as the bar numbers it
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_and_over_samples_the_missing_ones():

@@ -294,3 +294,23 @@ def test_a_checkpoints_directory_root_cannot_write_is_caught_before_anything_loa
     with pytest.raises(RunDirError, match=r"cannot be written \(Operation not permitted: .*checkpoints/.write-probe"):
         check_writable(run)
     assert sorted(p.name for p in run.rglob("*")) == ["checkpoints"]  # the probes of run/ left nothing
+
+
+def test_dynamic_sampling_that_finds_no_signal_is_one_line_exit_2_numbered_as_the_bar(
+    tiny_smollm2_dir, tmp_path, data, capsys, monkeypatch
+):
+    """Every reward equal: dynamic sampling keeps no group within max_rounds. It ended in a traceback saying
+    "step 0"; now one line, exit 2, step 1 as the progress bar and metrics.jsonl number it."""
+    (tmp_path / "same_reward.py").write_text("def same(sample):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = _overrides(tiny_smollm2_dir, tmp_path / "runs", "flat", data)
+    args[args.index("--reward.path") + 1] = "same_reward:same"
+    args += ["--algorithm.dynamic-sampling.max-rounds", "1"]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(
+        "miles: step 1: dynamic sampling kept 0 of rollout.rollout_batch_size=2 groups after "
+        "algorithm.dynamic_sampling.max_rounds=1 generation rounds (2 groups filtered: all rewards equal"
+    )
+    assert err[-1].endswith("No step was completed, so the same command starts the run again")
+    assert not any("Traceback" in line for line in err)

@@ -75,6 +75,12 @@ class AllSamplesFailed(RuntimeError):
         super().__init__(f"step {step}: all {len(samples)} samples failed; reasons: {self.reasons[:5]}")
 
 
+class DynamicSamplingExhausted(RuntimeError):
+    """``algorithm.dynamic_sampling`` found fewer groups with a learning signal than a step needs within its
+    ``max_rounds``: the task is too easy or too hard for the model. The message numbers the step as the progress bar
+    and ``metrics.jsonl`` do (1 for the first) and names the settings to change."""
+
+
 @dataclass
 class Components:
     """Everything the loop drives, built by the caller (the recipes CLI or a user script)."""
@@ -397,11 +403,12 @@ def collect_samples(
                 **reasons,
             }
             return samples, num_failed, metrics
-    logger.warning("step %d: dynamic sampling kept %d groups, filtered %d", step, len(kept), num_filtered)
-    raise RuntimeError(
-        f"step {step}: dynamic sampling kept {len(kept)} of rollout.rollout_batch_size={rollout.rollout_batch_size} "
-        f"groups after algorithm.dynamic_sampling.max_rounds={num_rounds} generation rounds ({num_filtered} groups "
-        "filtered: all rewards equal, so no learning signal). The task is too easy or too hard for the model: raise "
+    logger.warning("step %d: dynamic sampling kept %d groups, filtered %d", step + 1, len(kept), num_filtered)
+    raise DynamicSamplingExhausted(
+        f"step {step + 1}: dynamic sampling kept {len(kept)} of "
+        f"rollout.rollout_batch_size={rollout.rollout_batch_size} groups after "
+        f"algorithm.dynamic_sampling.max_rounds={num_rounds} generation rounds ({num_filtered} groups filtered: "
+        "all rewards equal, so no learning signal). The task is too easy or too hard for the model: raise "
         "--algorithm.dynamic-sampling.max-rounds or --algorithm.dynamic-sampling.over-sample, raise "
         "--rollout.n-samples-per-prompt, or pick a task of fitting difficulty."
     )

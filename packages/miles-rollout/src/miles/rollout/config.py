@@ -570,8 +570,8 @@ class RewardConfig(_Section):
         check_plugin_path("reward.group_path", self.group_path, "my_pkg.rewards:rank_in_group")
         if self.path and self.type != "custom":  # else the recipe's reward would run and the plugin silently not
             raise ValueError(
-                f"reward.path is {self.path!r} but reward.type is {self.type!r}, and reward.path is read by reward.type "
-                "custom only. Set --reward.type custom too, or drop --reward.path."
+                f"reward.path is {self.path!r} but reward.type is {self.type!r}, and reward.path is read by "
+                "reward.type custom only. Set --reward.type custom too, or drop --reward.path."
             )
         if self.type == "custom" and ":" not in self.path:
             raise ValueError(
