@@ -36,3 +36,11 @@ def behaved(sample) -> float:
 def text_length(sample) -> float:
     """A good reward: the response length over 10, so each sample gets its own value."""
     return len(sample.response_text) / 10
+
+
+async def async_index(sample) -> float:
+    """An ``async def`` reward (an async judge client): awaits, then scores the sample's index."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    return float(sample.index)

@@ -194,3 +194,35 @@ def test_random_malformed_rows_are_counted_and_never_served(tmp_path, lines):
     assert all(reason.startswith("rows.jsonl:") for reason in source.bad_row_reasons)
     for sample in source.next_prompts(source.size):
         assert sample.prompt[-1]["content"].strip() and sample.label is not None
+
+
+def test_async_rewards_and_group_rewards_are_awaited_wherever_they_are_called():
+    # An async def reward returned a coroutine, which counted as "not a number": every sample failed.
+    import asyncio
+
+    async def async_reward(sample):
+        await asyncio.sleep(0)
+        return float(sample.index) / 10
+
+    async def async_group(group):
+        await asyncio.sleep(0)
+        return [s.reward * 2 for s in group]
+
+    for reward in (async_reward, TimeLimitedReward(async_reward, timeout_s=30)):
+        samples = _samples(4)
+        assert score_samples(samples, reward, group_reward_fn=async_group) == 0
+        assert [s.reward for s in samples] == [0.0, 0.2, 0.4, 0.6]
+
+    async def from_async_code():  # a caller that runs an event loop itself: awaited on a helper thread's loop
+        samples = _samples(2)
+        assert score_samples(samples, async_reward) == 0
+        return [s.reward for s in samples]
+
+    assert asyncio.run(from_async_code()) == [0.0, 0.1]
+
+    async def raises(sample):
+        raise ValueError("judge unreachable")
+
+    samples = _samples(2)
+    assert score_samples(samples, raises) == 2
+    assert samples[0].metadata["failure"] == "reward function raised ValueError: judge unreachable"

@@ -222,3 +222,11 @@ def _running(pid):
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state field follows "(comm)"
+
+
+def test_an_async_reward_is_awaited_in_the_worker_processes():
+    # a coroutine cannot be pickled back: the worker awaits it and sends the number
+    samples = _samples([0.0, 0.0, 0.0])
+    with ProcessPoolReward("reward_plugins:async_index", num_workers=1, timeout_s=30.0) as async_pool:
+        assert score_samples(samples, async_pool) == 0
+    assert [s.reward for s in samples] == [0.0, 1.0, 2.0]

@@ -83,3 +83,36 @@ def test_a_saved_dataset_dict_names_its_splits_and_a_plain_directory_is_refused(
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="is a directory but no HF dataset"):
         FileSource(tmp_path / "empty", seed=0)
+
+
+def _write_rows(tmp_path, rows):
+    """The same rows as ``rows.jsonl`` and ``rows.parquet`` (written with pyarrow) in ``tmp_path``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    return tmp_path / "rows.jsonl", tmp_path / "rows.parquet"
+
+
+def test_file_source_reads_a_parquet_file_with_the_same_rows_as_its_jsonl(tmp_path):
+    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i), "final": f"#### {2 * i}"} for i in range(5)]
+    jsonl, parquet = _write_rows(tmp_path, rows)
+    for keys in ({}, {"label_key": "final"}):  # the default columns, then a mapped label column
+        from_jsonl = FileSource(jsonl, seed=3, **keys)
+        from_parquet = FileSource(parquet, seed=3, **keys)
+        assert from_parquet.size == 5
+        served = [(p.prompt, p.label) for p in from_parquet.next_prompts(5)]
+        assert served == [(p.prompt, p.label) for p in from_jsonl.next_prompts(5)]
+        assert sorted(label for _, label in served) == sorted(r[keys.get("label_key", "answer")] for r in rows)
+
+
+def test_a_parquet_file_with_a_null_label_or_without_the_mapped_column_is_named_in_one_line(tmp_path):
+    rows = [{"question": "1 + 1?", "answer": "2"}, {"question": "2 + 2?", "answer": None}]
+    _, parquet = _write_rows(tmp_path, rows)
+    with pytest.raises(ValueError, match=r"has 1 bad row .*: rows\.parquet:row 1: 'answer' is null\. Fix the rows"):
+        FileSource(parquet, seed=0)
+    skipped = FileSource(parquet, seed=0, bad_rows="skip")
+    assert skipped.size == 1 and skipped.bad_row_reasons == ["rows.parquet:row 1: 'answer' is null"]
+    with pytest.raises(ValueError, match="data.label_key is 'solution', but no row of rows.parquet has it"):
+        FileSource(parquet, seed=0, label_key="solution")

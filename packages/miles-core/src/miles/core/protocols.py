@@ -215,7 +215,9 @@ class ProgressBar(Protocol):
 
 
 class RewardFn(Protocol):
-    """Scores one completed sample; returns a finite float (or raises, which marks the sample failed)."""
+    """Scores one completed sample; returns a finite float (or raises, which marks the sample failed). It may be
+    ``async def`` (an async reward-model or judge client): the coroutine is run to completion where it is called
+    (``miles.core.rewards.resolve_reward``), also in reward worker processes."""
 
     def __call__(self, sample: Sample) -> float: ...
 
@@ -225,7 +227,8 @@ class GroupRewardFn(Protocol):
     preference, a diversity bonus, a reward model that compares answers).
 
     Called after every sample's own reward (``RewardFn``) is set, with the group's samples that are not FAILED or
-    ABORTED, in sample order; returns one finite float per sample given, which replaces ``sample.reward``.
+    ABORTED, in sample order; returns one finite float per sample given, which replaces ``sample.reward``. It may
+    be ``async def``.
     Raising, or returning the wrong number of values or a non-finite one, fails those samples
     (``metadata["failure_kind"]`` "reward_error").
     """

@@ -10,6 +10,8 @@ a reason (``metadata["failure"]``) and a countable kind (``metadata["failure_kin
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import math
 import numbers
@@ -114,7 +116,7 @@ def _score_groups(samples: Sequence[Sample], group_reward_fn: GroupRewardFn) -> 
     num_failed = 0
     for group in group_samples(scored):
         try:
-            values = [float(v) for v in group_reward_fn(list(group))]
+            values = [float(v) for v in resolve_reward(group_reward_fn(list(group)))]
             if len(values) != len(group) or not all(math.isfinite(v) for v in values):
                 raise ValueError(f"returned {values[:8]} for {len(group)} samples, expected one finite float each")
         except Exception as err:  # noqa: BLE001 - a bad group reward fails this group only
@@ -158,9 +160,39 @@ def failure_counts(samples: Sequence[Sample]) -> dict[str, float]:
     return counts
 
 
+def resolve_reward(value: Any) -> Any:
+    """``value``, or the result it awaits when the reward function is ``async def`` (a call to an ``async`` reward
+    model or judge returns a coroutine): run to completion on an event loop of its own, in this thread, or in a
+    helper thread when this one already runs a loop (a reward scored from async code). Raises what it raises."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait() -> Any:
+        return await value
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = asyncio.run(wait())
+        except BaseException as err:  # noqa: BLE001 - re-raised in the calling thread
+            result["error"] = err
+
+    thread = threading.Thread(target=run, name="async-reward", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 def _call(reward_fn: RewardFn, sample: Sample) -> RewardOutcome:
     try:
-        return RewardOutcome(value=reward_fn(sample))
+        return RewardOutcome(value=resolve_reward(reward_fn(sample)))
     except Exception as err:  # noqa: BLE001 - any reward bug fails this sample only
         return RewardOutcome(error=err)
 
@@ -225,7 +257,7 @@ class TimeLimitedReward:
 
         def call(sample: Sample, result: dict[str, object]) -> None:
             try:
-                result["value"] = self.reward_fn(sample)
+                result["value"] = resolve_reward(self.reward_fn(sample))
             except BaseException as err:  # noqa: BLE001 - returned as the sample's outcome
                 result["error"] = err
 
@@ -263,7 +295,7 @@ class TimeLimitedReward:
 
         def call() -> None:
             try:
-                result["value"] = self.reward_fn(sample)
+                result["value"] = resolve_reward(self.reward_fn(sample))
             except BaseException as err:  # noqa: BLE001 - re-raised in the calling thread
                 result["error"] = err
 
