@@ -19,7 +19,15 @@ from miles.core.config import (
     RolloutConfig,
     SamplingConfig,
 )
-from miles.core.loop import Components, DynamicSamplingExhausted, evaluate, run_step, train
+from miles.core.loop import (
+    AllSamplesAborted,
+    AllSamplesFailed,
+    Components,
+    DynamicSamplingExhausted,
+    evaluate,
+    run_step,
+    train,
+)
 from miles.core.sample import Sample, SampleStatus
 
 
@@ -317,3 +325,23 @@ def test_eval_uses_its_own_sampling_settings_and_training_keeps_its_own(tiny_lla
     )
     assert len(engine.requests) == 8
     assert {(r.sampling.temperature, r.sampling.top_p) for r in engine.requests} == {(1.0, 1.0)}
+
+
+def test_a_step_whose_samples_were_all_cut_off_by_weight_updates_is_not_reported_as_failed():
+    # Every sample ABORTED (pause "abort" during a weight update, resubmissions spent): it said "all 4 samples
+    # failed" and the CLI advised fixing the reward function.
+    aborted = [([5], SampleStatus.ABORTED), ([5], SampleStatus.ABORTED)]
+    rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_resubmits=3)
+    components = _components(ScriptedRollout([aborted, aborted]), reward_is_first_token)
+    with pytest.raises(AllSamplesAborted) as err:
+        run_step(components, step=0, rollout=rollout, algorithm=AlgorithmConfig())
+    assert not isinstance(err.value, AllSamplesFailed) and (err.value.step, err.value.num_samples) == (1, 4)
+    assert str(err.value).startswith(
+        "step 1: all 4 samples were cut off by weight updates and were still unfinished after "
+        "rollout.max_resubmits=3 resubmissions each, so there is nothing to train; raise --rollout.max-resubmits"
+    )
+    # One failed sample among the aborted ones: a failure after all, reported as one.
+    mixed = [([5], SampleStatus.ABORTED), ([5], SampleStatus.FAILED)]
+    components = _components(ScriptedRollout([mixed, mixed]), reward_is_first_token)
+    with pytest.raises(AllSamplesFailed, match="step 1: all 4 samples failed"):
+        run_step(components, step=0, rollout=rollout, algorithm=AlgorithmConfig())

@@ -75,6 +75,21 @@ class AllSamplesFailed(RuntimeError):
         super().__init__(f"step {step}: all {len(samples)} samples failed; reasons: {self.reasons[:5]}")
 
 
+class AllSamplesAborted(RuntimeError):
+    """Every sample of a step was cut off by weight updates (``SampleStatus.ABORTED``) and stayed so after its
+    ``rollout.max_resubmits`` resubmissions: nothing went wrong with the reward or the data, but nothing can be
+    trained. The message numbers the step as the progress bar does and names the settings to change."""
+
+    def __init__(self, step: int, num_samples: int, max_resubmits: int) -> None:
+        self.step, self.num_samples = step, num_samples
+        super().__init__(
+            f"step {step}: all {num_samples} samples were cut off by weight updates and were still unfinished after "
+            f"rollout.max_resubmits={max_resubmits} resubmissions each, so there is nothing to train; raise "
+            "--rollout.max-resubmits, or continue cut-off requests on the new weights with --loop.partial-rollout "
+            "true (fully_async)"
+        )
+
+
 class DynamicSamplingExhausted(RuntimeError):
     """``algorithm.dynamic_sampling`` found fewer groups with a learning signal than a step needs within its
     ``max_rounds``: the task is too easy or too hard for the model. The message numbers the step as the progress bar
@@ -253,6 +268,8 @@ def run_step(
     t_rollout = time.perf_counter() - t0
     scored = [s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples]
     if not any(scored):
+        if samples and all(s.status == SampleStatus.ABORTED for s in samples):  # not a failure: say what it is
+            raise AllSamplesAborted(step + 1, len(samples), rollout.max_resubmits)
         raise AllSamplesFailed(step + 1, samples)
     # Versions behind the weights this step trains against, from each sample's oldest token.
     staleness = [group_staleness([s], c.publisher.version) for s in samples if s.weight_versions]

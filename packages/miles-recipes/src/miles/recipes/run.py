@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 from miles.core.algorithms.config import load_algorithm_plugins
-from miles.core.loop import AllSamplesFailed, Components, DynamicSamplingExhausted, train
+from miles.core.loop import AllSamplesAborted, AllSamplesFailed, Components, DynamicSamplingExhausted, train
 from miles.core.plugins import load_plugin
 from miles.core.producer import PromptQueue
 from miles.core.protocols import DataContext, DataSource, MetricsSink, RewardFn, RunContext, TrainBackend
@@ -827,6 +827,8 @@ def run(
             raise RunFailed(f"{first_line}; the run stopped and {_last_checkpoint(final)}") from err
         except AllSamplesFailed as err:
             raise RunInputError(all_failed_message(err, cfg.reward)) from err
+        except AllSamplesAborted as err:  # weight updates cut every request off: no user input is at fault
+            raise RunFailed(f"{err}; the run stopped and {_last_checkpoint(final)}") from err
         except DynamicSamplingExhausted as err:  # the task's difficulty or the filter's settings: the user's to change
             raise RunInputError(str(err).rstrip(".")) from err
         finally:
