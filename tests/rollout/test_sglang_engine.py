@@ -214,6 +214,19 @@ def test_a_rejected_request_raises_value_error_for_that_request_only():
     assert good.response_tokens == [7, 2]
 
 
+def test_memory_release_and_resume_go_to_every_worker_with_sglangs_tags():
+    servers = FakeServers()
+    engine = SGLangEngine(["http://w1", "http://w2"], transport=httpx.MockTransport(servers))
+    engine.release_memory(["weights"])
+    engine.resume_memory()
+    assert sorted(servers.paths("/release_memory_occupation")) == [
+        ("http://w1/release_memory_occupation", {"tags": ["weights"]}),
+        ("http://w2/release_memory_occupation", {"tags": ["weights"]}),
+    ]
+    assert [body for _, body in servers.paths("/resume_memory_occupation")] == [{"tags": None}] * 2  # None: all
+    assert engine.health_generate() == {"http://w1": True, "http://w2": True}
+
+
 def test_generate_goes_to_the_router_and_control_calls_to_every_worker_with_sglangs_pause_modes():
     servers = FakeServers()
     engine = SGLangEngine(["http://w1", "http://w2"], router_url="http://router",
@@ -438,6 +451,38 @@ def test_a_weight_push_gives_exactly_the_outputs_of_an_engine_loaded_with_the_ne
         assert sink.push(new.items(), version=3) == 3 and client.weight_version == 3
     finally:
         sink.close()
+
+
+@pytest.mark.integration
+def test_released_weights_fail_health_generate_until_resumed_and_pushed_again(
+    client, server, reference, tiny_llama_dir
+):
+    # After the weight push test: the server holds perturbed(seed=1) weights at version 3. Colocated training frees
+    # the engine's memory between rollouts: release -> (trainer runs) -> resume -> push -> generate.
+    new = perturbed(reference.model.state_dict(), seed=1)
+    expected_engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2])
+    expected_engine.load_weights(new.items())
+    requests = [GenerateRequest([1, 2 + i], SamplingConfig(max_new_tokens=8), seed=60 + i) for i in range(2)]
+    assert client.health_generate() == {server.url: True}
+    client.pause("abort")
+    try:
+        client.release_memory(["weights"])
+        client.resume()
+        assert client.health_generate() == {server.url: False}  # no weights: it cannot generate a token
+        client.resume_memory(["weights"])  # zero-filled until a push
+        sink = SGLangWeightSink(client)
+        try:
+            assert sink.push(new.items(), version=4) == 4
+        finally:
+            sink.close()
+    finally:
+        client.resume()
+    assert client.health_generate() == {server.url: True}
+    outputs = generate_all(client, requests)
+    expected = expected_engine.generate_batch(requests)
+    assert [o.response_tokens for o in outputs] == [o.response_tokens for o in expected]
+    with pytest.raises(ValueError, match=r"memory tags must be 'weights' and/or 'kv_cache', got \['gpu'\]"):
+        client.release_memory(["gpu"])
 
 
 @pytest.mark.gpu

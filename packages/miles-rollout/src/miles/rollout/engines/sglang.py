@@ -283,6 +283,30 @@ class SGLangEngine:
         except httpx.HTTPError:
             return False
 
+    def health_generate(self, timeout_s: float = 30.0) -> dict[str, bool]:
+        """Each worker's ``GET /health_generate``: True when it generated a token (SGLang runs one greedy token;
+        a paused, released or stuck server answers 503 or not at all within ``timeout_s``). Stricter than
+        ``health``, which only asks whether the process answers."""
+        results = {}
+        for url in self.worker_urls:
+            try:
+                results[url] = self._client.get(url + "/health_generate", timeout=timeout_s).status_code == 200
+            except httpx.HTTPError:
+                results[url] = False
+        return results
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``/release_memory_occupation`` on every worker (colocated training frees the GPU for the trainer):
+        ``tags`` of SGLang's ``"weights"`` / ``"kv_cache"``, None = both. The workers must be idle (pause with
+        abort first); before generating again: ``resume_memory``, then push weights (released weights are gone).
+        Raises: ValueError for another tag; RuntimeError naming a worker that refused."""
+        self._post_all("/release_memory_occupation", {"tags": _memory_tags(tags)})
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``/resume_memory_occupation`` on every worker: re-allocates what ``release_memory`` freed (weights
+        zero-filled: push them before generating). Raises: as ``release_memory``."""
+        self._post_all("/resume_memory_occupation", {"tags": _memory_tags(tags)})
+
     def close(self) -> None:
         """Close the HTTP connections of this thread's client (async clients close with their event loop)."""
         self._client.close()
@@ -339,6 +363,16 @@ class SGLangEngine:
             errors = [e for e in pool.map(post, self.worker_urls) if e is not None]
         if errors:
             raise RuntimeError(errors[0] + (f" (and {len(errors) - 1} more workers)" if len(errors) > 1 else ""))
+
+
+def _memory_tags(tags: Sequence[str] | None) -> list[str] | None:
+    """SGLang's memory tags (``ReleaseMemoryOccupationReqInput.tags``). Raises: ValueError for another one."""
+    if tags is None:
+        return None
+    unknown = sorted(set(tags) - {"weights", "kv_cache"})
+    if unknown:
+        raise ValueError(f"memory tags must be 'weights' and/or 'kv_cache', got {unknown}")
+    return list(tags)
 
 
 def _buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
