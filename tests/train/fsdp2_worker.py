@@ -22,10 +22,10 @@ def main(rank: int, world_size: int, init_file: str, model_dir: str, out: str, l
         logits = backend.model(input_ids=batch.tokens, attention_mask=batch.attention_mask.long()).logits
     half = batch.batch_size // world_size
     shard = batch.slice(rank * half, (rank + 1) * half)  # each rank: its own rows, the global batch's counts
-    backend.forward_backward(shard, objective, LossCounts.of(batch))
+    metrics = backend.forward_backward(shard, objective, LossCounts.of(batch))
     grads = backend.full_gradients()
     if rank == 0:
-        torch.save({"logits": logits, "grads": grads}, out)
+        torch.save({"logits": logits, "grads": grads, "metrics": metrics}, out)
     dist.barrier()
     dist.destroy_process_group()
 

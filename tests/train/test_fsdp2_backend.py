@@ -111,6 +111,27 @@ def test_fsdp2_world_size_2_matches_the_unsharded_model(tiny_llama_dir, tmp_path
     single = _grads(tiny_llama_dir, batch, micro_batch_size=6)
     for name, grad in single.items():
         torch.testing.assert_close(result["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    # Reduced with max over the ranks, not summed: the worst token of the whole batch.
+    expected_max = _max_abs_diff(_backend(tiny_llama_dir), batch)
+    assert result["metrics"]["train_rollout_logprob_abs_diff_max"] == pytest.approx(expected_max, abs=1e-6)
+
+
+def _max_abs_diff(backend: FSDP2Backend, batch) -> float:
+    """max over trained tokens of |trainer - rollout| log-prob, computed from the whole batch at once."""
+    old = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    return float((old - batch.rollout_log_probs).abs()[batch.loss_mask].max())
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 6])
+def test_the_max_mismatch_metric_is_the_worst_token_of_the_batch(tiny_llama_dir, micro_batch_size):
+    """train_rollout_logprob_abs_diff_max is the max over micro-batches (a sum over 6 micro-batches would be ~6x)."""
+    batch = make_batch()
+    backend = _backend(tiny_llama_dir, micro_batch_size=micro_batch_size)
+    expected = _max_abs_diff(backend, batch)
+    assert expected > 0.1  # the fixture's rollout log-probs are not the model's
+    metrics = backend.forward_backward(batch, OBJECTIVE, LossCounts.of(batch))
+    assert metrics["train_rollout_logprob_abs_diff_max"] == pytest.approx(expected, abs=1e-6)
+    assert metrics["train_rollout_logprob_abs_diff"] < expected
 
 
 def test_skipping_zero_advantage_rows_leaves_loss_and_gradient_unchanged(tiny_llama_dir, monkeypatch):

@@ -44,7 +44,7 @@ class ReferenceBackend:
             loss.backward()
             sums["loss"] += float(loss.detach())
             for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(value)
+                sums[name] = float(objective.combine_metric(name, sums.get(name), float(value)))
         return objective.finish_metrics(sums)
 
     def gradients(self) -> dict[str, torch.Tensor]:

@@ -493,7 +493,8 @@ def shape_rewards(
 def _train_on(
     backend: TrainBackend, batch: TrainBatch, objective: PolicyObjective, steps_per_rollout: int
 ) -> dict[str, float]:
-    """Split the rollout into ``steps_per_rollout`` optimizer steps; average their metrics."""
+    """Split the rollout into ``steps_per_rollout`` optimizer steps; average their metrics (the max of
+    ``objective.max_metrics``)."""
     outputs = {name for name in objective.train_outputs if getattr(batch, name) is None}
     if steps_per_rollout > 1 and batch.old_log_probs is None:
         # Several optimizer steps per rollout: the PPO denominator must be the pre-update policy.
@@ -502,7 +503,10 @@ def _train_on(
         batch = backend.forward(batch, outputs=outputs)
     size = batch.batch_size // steps_per_rollout
     per_step = [train_step(backend, batch.slice(i * size, (i + 1) * size), objective) for i in range(steps_per_rollout)]
-    return {k: statistics.fmean(m[k] for m in per_step) for k in per_step[0]}
+    return {
+        k: max(m[k] for m in per_step) if k in objective.max_metrics else statistics.fmean(m[k] for m in per_step)
+        for k in per_step[0]
+    }
 
 
 def train_step(

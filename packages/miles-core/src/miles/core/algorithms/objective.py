@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import torch
 from miles.core.algorithms.importance import importance_weights, off_policy_sequence_mask
 from miles.core.algorithms.losses import LossParams, aggregate, policy_loss, value_loss, zero_masked
 from miles.core.algorithms.registry import BACKEND_OUTPUTS, get_estimator, get_policy_loss
@@ -92,6 +93,8 @@ class PolicyObjective:
     """
 
     skipped_rows_metric = "skipped_zero_advantage_samples"  # the count ``select_rows`` dropped
+    # Metrics a backend reduces with max over micro-batches and ranks (``combine_metric``); the rest are summed.
+    max_metrics = frozenset({"train_rollout_logprob_abs_diff_max"})
 
     def __init__(self, algorithm: AlgorithmConfig, *, max_new_tokens: int, critic: CriticConfig | None = None) -> None:
         self.algorithm = algorithm
@@ -187,7 +190,9 @@ class PolicyObjective:
                 (``select_rows``): the trained tokens of the kept rows; default ``counts.num_tokens``.
         Returns: (loss scalar with grad, detached scalar metrics: loss/pg, pg_clipfrac, ppo_kl, entropy, loss/kl,
             train_rollout_logprob_abs_diff, train_rollout_kl, tis_clipfrac, opsm_masked_frac and the ESS terms),
-            each a sum over micro-batches and ranks of what this returns; ``finish_metrics`` completes them.
+            each a sum over micro-batches and ranks of what this returns, and train_rollout_logprob_abs_diff_max
+            (max over the trained tokens, |old - rollout| nats), a max over them (``combine_metric``);
+            ``finish_metrics`` completes them.
         Raises: ValueError if a needed input (reference or rollout log-probs) is missing from ``mb``.
         """
         loss_cfg = self.algorithm.loss
@@ -220,7 +225,19 @@ class PolicyObjective:
         )
         tok = dict(mode="token_mean", num_tokens=metrics_num_tokens or counts.num_tokens)
         metrics.update({name: aggregate(v, mb.loss_mask, **tok) for name, v in correction.items()})
+        if "train_rollout_logprob_abs_diff" in correction:  # the worst token, which a mean hides
+            abs_diff = correction["train_rollout_logprob_abs_diff"]
+            metrics["train_rollout_logprob_abs_diff_max"] = torch.where(mb.loss_mask, abs_diff, 0.0).amax()
         return loss, metrics
+
+    @classmethod
+    def combine_metric(cls, name: str, total: Tensor | float | None, value: Tensor | float) -> Tensor | float:
+        """Accumulate micro-batch metric ``name``: the max for ``max_metrics``, else the sum (None = first)."""
+        if total is None:
+            return value
+        if name in cls.max_metrics:
+            return torch.maximum(torch.as_tensor(total), torch.as_tensor(value))
+        return total + value
 
     @staticmethod
     def finish_metrics(metrics: dict[str, float]) -> dict[str, float]:

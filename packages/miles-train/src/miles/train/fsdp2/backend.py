@@ -203,14 +203,20 @@ class FSDP2Backend:
             # FSDP2 averages gradients over ranks; the loss already divides by global counts, so undo it.
             (loss * self.world_size).backward()
             for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + value.detach()
+                sums[name] = objective.combine_metric(name, sums.get(name), value.detach())
             sums["loss"] = sums["loss"] + loss.detach()
         if self.critic is not None and objective.value is not None:
             sums.update(self.critic.forward_backward(batch, objective.value, counts))
-        names = sorted(sums)
-        totals = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64) for n in names])
-        dist.all_reduce(totals)
-        metrics = objective.finish_metrics(dict(zip(names, totals.tolist())))  # host sync
+        reduced: dict[str, float] = {}
+        for op, names in (
+            (dist.ReduceOp.SUM, sorted(n for n in sums if n not in objective.max_metrics)),
+            (dist.ReduceOp.MAX, sorted(n for n in sums if n in objective.max_metrics)),
+        ):
+            if names:  # the same names on every rank (select_rows gives each rank rows)
+                totals = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64) for n in names])
+                dist.all_reduce(totals, op=op)
+                reduced.update(zip(names, totals.tolist()))  # host sync
+        metrics = objective.finish_metrics(reduced)
         self._pending_loss = metrics["loss"]
         if "loss/value" in metrics:
             self.critic.pending_loss = metrics["loss/value"]  # global: every rank takes the same skip decision
