@@ -1,10 +1,12 @@
 """EnginePublisher: pause -> push -> flush -> version bump -> resume, the version owned in one place, inside the
 guard the caller gives (Ray mode: the engine supervisor's)."""
 
+import asyncio
 import contextlib
 
 import pytest
-from miles.core.publisher import EnginePublisher
+import torch
+from miles.core.publisher import EnginePublisher, run_sync
 from miles.sync import WeightUpdateError
 
 
@@ -12,14 +14,14 @@ class RecordingEngine:
     def __init__(self, name, log):
         self.name, self.log = name, log
 
-    def pause(self, mode):
+    async def pause(self, mode):
         self.log.append((self.name, "pause", mode))
         return []
 
-    def flush_cache(self):
+    async def flush_cache(self):
         self.log.append((self.name, "flush"))
 
-    def resume(self):
+    async def resume(self):
         self.log.append((self.name, "resume"))
 
 
@@ -87,6 +89,67 @@ def test_the_weights_reach_a_real_receiver_with_the_publisher_s_versions(tiny_ll
     assert publisher.publish() == 6 and engine.weight_version == 6
 
 
+class CorruptingSender:
+    """A weight sink that damages one tensor on the way (a transfer bug the probe must catch)."""
+
+    def __init__(self, sender, name=None):
+        self.sender, self.name = sender, name
+
+    def push(self, named_tensors, *, version=None):
+        named = [(n, torch.randn_like(t) if n == self.name else t) for n, t in named_tensors]
+        return self.sender.push(named, version=version)
+
+
+def _probed_publisher(tiny_llama_dir, *, corrupt=None, max_abs_diff=0.1):
+    from miles.core.publisher import LogProbProbe
+    from miles.rollout.engines import EmbeddedEngine
+    from miles.sync import InProcessTransport, WeightSender
+    from miles.train import FSDP2Backend, TrainConfig
+
+    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], logprob_mode="decode")
+    sink = CorruptingSender(WeightSender(InProcessTransport(engine.receiver)), corrupt)
+    backend = FSDP2Backend(tiny_llama_dir, train=TrainConfig(), temperature=0.7, weight_sink=sink)
+    probe = LogProbProbe([1, 5, 9, 3], temperature=0.7, max_new_tokens=12, max_abs_diff=max_abs_diff, seed=5)
+    return EnginePublisher(backend, [engine], probe=probe), engine
+
+
+def test_the_probe_reports_the_engine_trainer_log_prob_difference_after_each_update(tiny_llama_dir):
+    publisher, engine = _probed_publisher(tiny_llama_dir)
+    assert publisher.metrics() == {}  # nothing published yet
+    assert publisher.publish() == 1
+    diff = publisher.metrics()["sync/probe_logprob_max_abs_diff"]
+    assert 0.0 <= diff < 1e-4  # fp32 decode-step log-probs vs the trainer's forward, same weights
+
+
+def test_the_probe_fails_an_update_whose_transfer_damaged_a_linear_layer(tiny_llama_dir):
+    publisher, engine = _probed_publisher(tiny_llama_dir, corrupt="model.layers.0.mlp.down_proj.weight")
+    with pytest.raises(WeightUpdateError, match=r"log-probs of the probe prompt differ from the trainer's by up to"):
+        publisher.publish()
+    report_only, _ = _probed_publisher(tiny_llama_dir, corrupt="model.layers.0.mlp.down_proj.weight", max_abs_diff=None)
+    assert report_only.publish() == 1 and report_only.metrics()["sync/probe_logprob_max_abs_diff"] > 0.1
+
+
+class StaleEngine(RecordingEngine):
+    """Answers the probe from weights older than the ones just published."""
+
+    weight_version = 0
+
+    async def generate(self, request):
+        from miles.core.protocols import GenerateOutput
+
+        return GenerateOutput(response_tokens=[3], log_probs=[-1.0], finish_reason="length", weight_version=0)
+
+
+def test_the_probe_fails_an_engine_that_answers_from_older_weights():
+    from miles.core.publisher import LogProbProbe
+
+    log = []
+    probe = LogProbProbe([1, 2], max_new_tokens=1)
+    publisher = EnginePublisher(PushingBackend(log), [StaleEngine("a", log)], probe=probe)
+    with pytest.raises(WeightUpdateError, match=r"the weight probe on engine 0 ran on weights v0, not the v1"):
+        publisher.publish()
+
+
 class RecordingGuard:
     """A publish guard that logs when it is entered and left, and can refuse (an engine that stayed dead)."""
 
@@ -137,3 +200,47 @@ def test_a_guard_that_refuses_stops_the_publish_before_any_engine_pauses():
     with pytest.raises(RuntimeError, match="out of service"):
         publisher.publish()
     assert log == [] and publisher.version == 0
+
+
+class RendezvousEngine(RecordingEngine):
+    """Its pause returns only once every engine's pause has started: publishing one engine after another hangs."""
+
+    def __init__(self, name, log, started, count):
+        super().__init__(name, log)
+        self.started, self.count = started, count
+
+    async def pause(self, mode):
+        self.started.append(self.name)
+        while len(self.started) < self.count:
+            await asyncio.sleep(0.01)
+        return await super().pause(mode)
+
+
+def test_engines_pause_concurrently():
+    log, started = [], []
+    engines = [RendezvousEngine(name, log, started, 3) for name in "abc"]
+    publisher = EnginePublisher(PushingBackend(log), engines)
+    assert run_sync(asyncio.wait_for(asyncio.to_thread(publisher.publish), 10)) == 1
+    assert sorted(started) == ["a", "b", "c"] and log[-3:] == [(n, "resume") for n in "abc"]
+
+
+class FailingPauseEngine(RecordingEngine):
+    async def pause(self, mode):
+        raise RuntimeError(f"{self.name}: POST /pause failed")
+
+
+def test_an_engine_that_fails_to_pause_leaves_no_engine_paused_and_nothing_pushed():
+    log = []
+    engines = [RecordingEngine("a", log), FailingPauseEngine("b", log)]
+    publisher = EnginePublisher(PushingBackend(log), engines)
+    with pytest.raises(RuntimeError, match="b: POST /pause failed"):
+        publisher.publish()
+    assert log == [("a", "pause", "keep"), ("a", "resume"), ("b", "resume")]
+    assert publisher.version == 0
+
+
+def test_run_sync_works_inside_a_running_event_loop():
+    async def inner():
+        return run_sync(asyncio.sleep(0, result=7))  # a sync caller (publish) reached from async code
+
+    assert asyncio.run(inner()) == 7

@@ -37,6 +37,8 @@ def test_two_steps_of_the_default_recipe_write_a_complete_run_directory(smollm2_
     assert 0.0 <= rows[1]["reward/mean"] <= 1.0
     # Step 2 was sampled with the weights pushed after step 1 (tied LM head sent once): engine and trainer agree.
     assert rows[2]["train_rollout_logprob_abs_diff"] < 1e-4
+    assert rows[2]["train_rollout_logprob_abs_diff"] <= rows[2]["train_rollout_logprob_abs_diff_max"] < 1e-3
+    assert all(r["sync/probe_logprob_max_abs_diff"] < 1e-4 for r in rows[1:])  # each update probed
 
     checkpoint = run / "checkpoints" / "step_2"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"

@@ -24,6 +24,9 @@ def _train(tmp_path, name: str, engine_overrides: list[str]) -> list[dict]:
     assert [r["weight_version"] for r in rows[1:]] == [1.0, 2.0]
     # Step 2 was sampled by the servers with the weights pushed after step 1: engine and trainer agree.
     assert rows[2]["train_rollout_logprob_abs_diff"] < 1e-4
+    assert rows[2]["train_rollout_logprob_abs_diff_max"] < 1e-2  # the worst of the step's ~1000 tokens
+    # After each update the engine sampled the probe prompt, and the trainer recomputed its log-probs.
+    assert all(r["sync/probe_logprob_max_abs_diff"] < 1e-2 for r in rows[1:])
     assert "eval/reward" in rows[2]
     return rows
 

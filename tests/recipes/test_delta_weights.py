@@ -27,7 +27,9 @@ def test_delta_weight_updates_train_exactly_as_full_ones_and_report_the_bytes_se
     assert [r["step"] for r in delta] == [1, 2, 3]
     for key in ("loss", "reward/mean", "grad_norm", "train_rollout_logprob_abs_diff"):
         assert [r[key] for r in delta] == [r[key] for r in full], key  # rollouts sampled from identical weights
-    assert not any(key.startswith("sync/") for key in full[0])
+    assert not any(key.startswith("sync/sent") for key in full[0])
+    # Every update was probed: the engine samples with the trainer's weights (fp32: agreement to rounding).
+    assert all(r["sync/probe_logprob_max_abs_diff"] < 1e-4 for r in full + delta)
     assert delta[0]["sync/sent_fraction"] == 1.0  # the first update has no base: in full
     for row in delta[1:]:  # an Adam step at lr 1e-4 changes fp32 weights' low mantissa bits only
         assert 0.0 < row["sync/sent_fraction"] < 0.9, row["sync/sent_fraction"]

@@ -153,13 +153,13 @@ class _Engine:
     def __init__(self, weight_version: int) -> None:
         self.weight_version = weight_version
 
-    def pause(self, mode):
+    async def pause(self, mode):
         pass
 
-    def flush_cache(self):
+    async def flush_cache(self):
         pass
 
-    def resume(self):
+    async def resume(self):
         pass
 
 

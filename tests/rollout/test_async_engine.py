@@ -124,7 +124,7 @@ def test_pause_abort_ends_running_and_queued_requests_with_their_partial_outputs
     async def run():
         tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
         assert await asyncio.to_thread(held.wait, 30)
-        partial = await asyncio.to_thread(engine.pause, "abort")
+        partial = await engine.pause("abort")
         return partial, await asyncio.gather(*tasks)
 
     partial, outputs = asyncio.run(run())
@@ -134,7 +134,7 @@ def test_pause_abort_ends_running_and_queued_requests_with_their_partial_outputs
     assert all(len(o.log_probs) == 3 and all(lp <= 0 for lp in o.log_probs) for o in running)
     assert queued.response_tokens == [] and queued.log_probs == []
     assert sorted(o.request_id for o in partial) == sorted(r.request_id for r in reqs)
-    engine.resume()
+    engine.resume_now()
     assert engine.generate_batch(requests(1, SamplingConfig(max_new_tokens=4)))[0].finish_reason in ("stop", "length")
 
 
@@ -216,13 +216,13 @@ def test_pause_retract_continues_after_resume_with_one_segment_per_weight_versio
     async def run():
         tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
         assert await asyncio.to_thread(held.wait, 30)
-        partial = await asyncio.to_thread(engine.pause, "retract")
+        partial = await engine.pause("retract")
         assert not any(task.done() for task in tasks)  # retracted requests wait for resume
         if new_weights:  # a zero LM head: every next token is uniform over the 32 ids
             state = engine.model.state_dict()
             zeros = {k: torch.zeros_like(v) if k == "lm_head.weight" else v.clone() for k, v in state.items()}
             WeightSender(InProcessTransport(engine.receiver)).push(zeros.items())
-        engine.resume()
+        await engine.resume()
         return partial, await asyncio.gather(*tasks)
 
     partial, outputs = asyncio.run(run())
@@ -249,12 +249,12 @@ def test_pause_keep_lets_the_running_batch_finish_and_holds_new_requests_until_r
     async def run():
         tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
         assert await asyncio.to_thread(held.wait, 30)
-        interrupted = await asyncio.to_thread(engine.pause, "keep")
+        interrupted = await engine.pause("keep")
         assert interrupted == [] and all(task.done() for task in tasks)  # the batch ran to its end
         late = asyncio.ensure_future(engine.generate(requests(1, SamplingConfig(max_new_tokens=2))[0]))
         await asyncio.sleep(0.2)
         assert not late.done()  # held while paused
-        engine.resume()
+        await engine.resume()
         return [task.result() for task in tasks], await late
 
     outputs, late = asyncio.run(run())

@@ -1,6 +1,7 @@
 """launch_engine's sink factories: picklable descriptions of the servers that build their weight sink in another
 process (rank 0 of a Ray trainer), and the vLLM engine that then reads its version from the servers."""
 
+import asyncio
 import copy
 import pickle
 
@@ -63,8 +64,12 @@ def test_a_vllm_engine_fed_by_another_process_takes_the_servers_lowest_version_o
     engine = VLLMEngine(list(URLS), model="m", version_from_servers=True)
     posted = []
     monkeypatch.setattr(engine, "server_versions", lambda: ["3", "2"])
-    monkeypatch.setattr(engine, "_post_all", lambda path, **kwargs: posted.append(path) or [])
-    engine.resume()
+
+    async def post_all(path, **kwargs):
+        posted.append(path)
+
+    monkeypatch.setattr(engine, "_apost_all", post_all)
+    asyncio.run(engine.resume())
     assert engine.weight_version == 2 and posted == ["/resume"]
 
 

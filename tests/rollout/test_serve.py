@@ -140,7 +140,7 @@ def test_the_answer_has_sglangs_shape_and_writes_non_finite_log_probs_as_null():
 # -- the engine features behind /abort_request and /release_memory_occupation ---------------------
 def test_abort_ends_a_queued_request_at_once_with_nothing_sampled(tiny_llama_dir):
     engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2])
-    engine.pause("keep")  # nothing runs: the request stays queued
+    engine.pause_now("keep")  # nothing runs: the request stays queued
     request = GenerateRequest([1, 4], SamplingConfig(max_new_tokens=4), seed=0)
 
     async def run():
@@ -191,7 +191,7 @@ def test_released_weights_free_the_parameters_and_resume_zero_filled(tiny_llama_
     request = GenerateRequest([1, 5], SamplingConfig(max_new_tokens=3), seed=1)
     before = engine.generate_batch([request])[0]
     engine.release_weights()
-    assert all(p.numel() == 0 for p in engine.model.parameters()) and not engine.health()
+    assert all(p.numel() == 0 for p in engine.model.parameters()) and not asyncio.run(engine.health())
     with pytest.raises(WeightsReleasedError, match="resume_weights"):
         engine.generate_batch([request])
     with pytest.raises(WeightsReleasedError, match="resume_weights first"):
@@ -207,7 +207,7 @@ def test_released_weights_free_the_parameters_and_resume_zero_filled(tiny_llama_
 
 def test_weights_cannot_be_released_while_requests_wait(tiny_llama_dir):
     engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2])
-    engine.pause("keep")
+    engine.pause_now("keep")
 
     async def run():
         task = asyncio.ensure_future(engine.generate(GenerateRequest([1], SamplingConfig(max_new_tokens=2))))

@@ -234,16 +234,16 @@ def test_generate_goes_to_the_router_and_control_calls_to_every_worker_with_sgla
     asyncio.run(engine.generate(GenerateRequest([1], SamplingConfig())))
     assert [url for url, _ in servers.paths("/generate")] == ["http://router/generate"]
     for mode in ("keep", "retract", "abort"):
-        assert engine.pause(mode) == []
-    engine.resume()
-    engine.flush_cache()
+        assert asyncio.run(engine.pause(mode)) == []
+    asyncio.run(engine.resume())
+    asyncio.run(engine.flush_cache())
     bodies = [body["mode"] for _, body in servers.paths("/pause_generation")]
     assert sorted(bodies) == sorted(["in_place", "retract", "abort"] * 2)
     assert {url for url, _ in servers.paths("/pause_generation")} == {"http://w1/pause_generation",
                                                                       "http://w2/pause_generation"}  # fmt: skip
     assert len(servers.paths("/continue_generation")) == len(servers.paths("/flush_cache")) == 2
     with pytest.raises(ValueError, match="pause mode must be one of"):
-        engine.pause("in_place")
+        asyncio.run(engine.pause("in_place"))
 
 
 # -- a real miles serve ---------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def client(server):
     engine = SGLangEngine([server.url], stop_token_ids=[2], request_timeout_s=60, max_retries=0)
     yield engine
     httpx.post(server.url + "/slow_down", json={"forward_sleep_time": None})
-    engine.resume()
+    asyncio.run(engine.resume())
     engine.close()
 
 
@@ -310,7 +310,7 @@ def slow_down(server, seconds):
 
 @pytest.mark.integration
 def test_the_clients_log_probs_are_the_embedded_engines_prefill_scores_of_the_same_tokens(client, reference):
-    assert isinstance(client, Engine) and client.health() and client.weight_version == 0
+    assert isinstance(client, Engine) and asyncio.run(client.health()) and client.weight_version == 0
     sampling = SamplingConfig(temperature=0.8, max_new_tokens=10)
     requests = [GenerateRequest([1, 3 + i], sampling, seed=20 + i) for i in range(4)]
     outputs, again = generate_all(client, requests), generate_all(client, requests)
@@ -337,7 +337,7 @@ def test_pause_abort_ends_every_in_flight_request_with_abort_and_loses_none(clie
         await asyncio.to_thread(
             wait_for_load, server, lambda load: load["num_reqs"] == 4 and not load["num_waiting_reqs"]
         )
-        assert await asyncio.to_thread(client.pause, "abort") == []
+        assert await client.pause("abort") == []
         return await asyncio.gather(*tasks)
 
     outputs = asyncio.run(run())
@@ -361,12 +361,12 @@ def test_pause_retract_then_resume_completes_every_request_once_as_if_never_paus
     async def run():
         tasks = [asyncio.ensure_future(client.generate(r)) for r in requests]
         await asyncio.to_thread(wait_for_load, server, lambda load: load["num_reqs"] == 3 > load["num_waiting_reqs"])
-        await asyncio.to_thread(client.pause, "retract")
+        await client.pause("retract")
         load = await asyncio.to_thread(current_load, server)
         assert (load["num_reqs"], load["num_waiting_reqs"]) == (3, 3)  # retracted, waiting, none finished
         assert not any(task.done() for task in tasks)
         slow_down(server, 0)
-        await asyncio.to_thread(client.resume)
+        await client.resume()
         return await asyncio.gather(*tasks)
 
     outputs = asyncio.run(run())
@@ -387,14 +387,14 @@ def test_pause_keep_lets_running_requests_finish_and_holds_the_rest_until_resume
     async def run():
         tasks = [asyncio.ensure_future(client.generate(r)) for r in requests]
         await asyncio.to_thread(wait_for_load, server, lambda load: load["num_reqs"] == 3 > load["num_waiting_reqs"])
-        await asyncio.to_thread(client.pause, "keep")  # returns once the running batch has finished
+        await client.pause("keep")  # returns once the running batch has finished
         held = (await asyncio.to_thread(current_load, server))["num_waiting_reqs"]
         assert held < 3  # the running batch finished; the others (if any) wait
         late_task = asyncio.ensure_future(client.generate(late))
         await asyncio.to_thread(wait_for_load, server, lambda load: load["num_waiting_reqs"] == held + 1)
         assert not late_task.done()
         slow_down(server, 0)
-        await asyncio.to_thread(client.resume)
+        await client.resume()
         return await asyncio.gather(*tasks, late_task)
 
     outputs = asyncio.run(run())
@@ -464,10 +464,10 @@ def test_released_weights_fail_health_generate_until_resumed_and_pushed_again(
     expected_engine.load_weights(new.items())
     requests = [GenerateRequest([1, 2 + i], SamplingConfig(max_new_tokens=8), seed=60 + i) for i in range(2)]
     assert client.health_generate() == {server.url: True}
-    client.pause("abort")
+    asyncio.run(client.pause("abort"))
     try:
         client.release_memory(["weights"])
-        client.resume()
+        asyncio.run(client.resume())
         assert client.health_generate() == {server.url: False}  # no weights: it cannot generate a token
         client.resume_memory(["weights"])  # zero-filled until a push
         sink = SGLangWeightSink(client)
@@ -476,7 +476,7 @@ def test_released_weights_fail_health_generate_until_resumed_and_pushed_again(
         finally:
             sink.close()
     finally:
-        client.resume()
+        asyncio.run(client.resume())
     assert client.health_generate() == {server.url: True}
     outputs = generate_all(client, requests)
     expected = expected_engine.generate_batch(requests)
@@ -501,10 +501,10 @@ def test_a_real_sglang_server_samples_and_takes_an_in_place_update(smollm2_dir, 
         out = asyncio.run(engine.generate(request))
         assert out.response_tokens and len(out.log_probs) == len(out.response_tokens)
         state = {k: v.float().cuda() * 1.01 for k, v in load_file(str(smollm2_dir / "model.safetensors")).items()}
-        engine.pause("keep")
+        asyncio.run(engine.pause("keep"))
         try:
             assert SGLangWeightSink(engine).push(state.items(), version=1) == 1
-            engine.flush_cache()
+            asyncio.run(engine.flush_cache())
         finally:
-            engine.resume()
+            asyncio.run(engine.resume())
         assert asyncio.run(engine.generate(request)).weight_version == 1

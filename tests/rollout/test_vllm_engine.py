@@ -52,6 +52,18 @@ def test_a_python_without_vllm_is_one_clear_error_with_the_install_command(tmp_p
         check_vllm_installed(str(tmp_path / "no-python"))
 
 
+def test_a_vllm_environment_without_miles_sync_is_one_clear_error(tmp_path):
+    """Regression: the shared vLLM environment's editable miles-sync pointed at a deleted checkout (a fresh CI
+    clone), and the server died deep in vLLM's startup with "No module named 'miles'" after a minute."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")  # a vLLM that imports, beside no miles at all
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.base_prefix}/bin/python3 -S "$@"\n')
+    python.chmod(0o755)
+    with pytest.raises(ServerStartError, match=r"miles-sync is not importable by .*run scripts/install_vllm.sh"):
+        check_vllm_installed(str(python))
+
+
 def test_completion_parsing_keeps_ids_and_log_probs_and_fails_only_bad_responses():
     body = {"choices": [{"token_ids": [5, 2], "logprobs": {"token_logprobs": [-0.5, -1.25]}, "finish_reason": "stop"}]}
     out = parse_completion(body, request_id="r")
@@ -168,12 +180,12 @@ def test_an_in_place_update_lands_exactly_and_a_bad_one_keeps_the_old_version(vl
     g = torch.Generator().manual_seed(1)
     new = {k: (v.float() * (1 + 0.02 * torch.randn(v.shape, generator=g))) for k, v in state.items()}
     sink = VLLMWeightSink(vllm_engine, verify=True)
-    vllm_engine.pause("keep")
+    asyncio.run(vllm_engine.pause("keep"))
     try:
         assert sink.push(new.items(), version=1) == 1
-        vllm_engine.flush_cache()
+        asyncio.run(vllm_engine.flush_cache())
     finally:
-        vllm_engine.resume()
+        asyncio.run(vllm_engine.resume())
     assert vllm_engine.weight_version == 1 and vllm_engine.server_versions() == ["1"]
     verified, unchecked = sink.last_verified
     assert verified >= 60  # embeddings and norms, checksum-equal; CPU GEMM handles hide the linear weights ...
@@ -185,12 +197,12 @@ def test_an_in_place_update_lands_exactly_and_a_bad_one_keeps_the_old_version(vl
 
     bad = dict(new)
     bad["model.norm.weight"] = torch.ones(7)
-    vllm_engine.pause("keep")
+    asyncio.run(vllm_engine.pause("keep"))
     try:
         with pytest.raises(WeightUpdateError, match="engine|shape|size|v2"):
             sink.push(bad.items(), version=2)
     finally:
-        vllm_engine.resume()
+        asyncio.run(vllm_engine.resume())
     assert vllm_engine.weight_version == 1 and vllm_engine.server_versions() == ["1"]
     # The server still serves, with the v1 weights (a failed update once left vLLM's layers on the meta device).
     outputs = _generate(vllm_engine, requests)
@@ -246,7 +258,7 @@ def test_pause_modes_lose_no_request(vllm_engine, mode, monkeypatch):
         t0 = loop.time()
         seen = []  # (seconds, started, finished) at each freeze: the failure message
         while True:
-            await asyncio.to_thread(vllm_engine.pause, "retract")
+            await vllm_engine.pause("retract")
             await asyncio.sleep(0.1)  # the last step's outputs reach the API server's counters
             started, finished = await asyncio.to_thread(_server_counters, vllm_engine)
             seen.append((round(loop.time() - t0, 2), started - started0, finished - finished0))
@@ -255,29 +267,29 @@ def test_pause_modes_lose_no_request(vllm_engine, mode, monkeypatch):
             if started - started0 >= len(requests):
                 return
             assert loop.time() - t0 < 60, f"the requests never all started: {seen}"
-            await asyncio.to_thread(vllm_engine.resume)
+            await vllm_engine.resume()
             await asyncio.sleep(0.05)
 
     async def run():
         started0, finished0 = await asyncio.to_thread(_server_counters, vllm_engine)
-        await asyncio.to_thread(vllm_engine.pause, "retract")
+        await vllm_engine.pause("retract")
         tasks = [asyncio.ensure_future(vllm_engine.generate(r)) for r in requests]
         await asyncio.sleep(1.0)  # the requests reach the frozen server (milliseconds on 127.0.0.1) and wait there
         assert not any(t.done() for t in tasks)
-        await asyncio.to_thread(vllm_engine.resume)
+        await vllm_engine.resume()
         await freeze_with_all_decoding(tasks, started0, finished0)
         if mode != "retract":  # already frozen in "retract"
-            await asyncio.to_thread(vllm_engine.pause, mode)
+            await vllm_engine.pause(mode)
         held = asyncio.ensure_future(vllm_engine.generate(GenerateRequest(PROMPTS[0], SAMPLING, seed=99)))
         await asyncio.sleep(0.5)
         assert not held.done()  # a paused server holds new requests
-        await asyncio.to_thread(vllm_engine.resume)
+        await vllm_engine.resume()
         return await asyncio.gather(*tasks), await held
 
     try:
         outputs, late = asyncio.run(run())
     finally:
-        vllm_engine.resume()
+        asyncio.run(vllm_engine.resume())
     assert [o.request_id for o in outputs] == [r.request_id for r in requests]
     assert late.finish_reason in ("stop", "length")
     if mode == "abort":
@@ -343,12 +355,12 @@ def test_a_disk_handoff_reloads_exact_weights_and_a_bad_version_keeps_the_old_on
     new = {k: (v.float() * (1 + 0.02 * torch.randn(v.shape, generator=g))) for k, v in state.items()}
     sink = VLLMDiskWeightSink(vllm_engine, root=tmp_path / "weights", config_from=smollm2_dir)
     version = vllm_engine.weight_version + 1
-    vllm_engine.pause("keep")
+    asyncio.run(vllm_engine.pause("keep"))
     try:
         assert sink.push(new.items()) == version
-        vllm_engine.flush_cache()
+        asyncio.run(vllm_engine.flush_cache())
     finally:
-        vllm_engine.resume()
+        asyncio.run(vllm_engine.resume())
     assert vllm_engine.server_versions() == [str(version)]
     assert sink.last_verified[0] >= 60  # embeddings and norms, checksum-equal ...
     reference.load_weights(new.items())
@@ -359,7 +371,7 @@ def test_a_disk_handoff_reloads_exact_weights_and_a_bad_version_keeps_the_old_on
 
     bad = dict(new)
     bad["model.norm.weight"] = torch.ones(7)
-    vllm_engine.pause("keep")
+    asyncio.run(vllm_engine.pause("keep"))
     try:
         with pytest.raises(
             WeightUpdateError,
@@ -367,7 +379,7 @@ def test_a_disk_handoff_reloads_exact_weights_and_a_bad_version_keeps_the_old_on
         ):
             sink.push(bad.items())
     finally:
-        vllm_engine.resume()
+        asyncio.run(vllm_engine.resume())
     assert vllm_engine.weight_version == version and vllm_engine.server_versions() == [str(version)]
     outputs = _generate(vllm_engine, requests)  # still serving, with the weights before
     assert _max_logprob_gap(reference, PROMPTS, outputs) < 1e-3

@@ -87,11 +87,13 @@ class Engine(Protocol):
     """An inference engine (embedded HF model, vLLM or SGLang server behind an adapter), served per request.
 
     Callers submit requests one at a time, concurrently (``asyncio.gather``); the engine batches them internally
-    (continuous batching in servers). Weight updates go between ``pause`` and ``resume``::
+    (continuous batching in servers). Every call is a coroutine, control included: for a server each is an HTTP
+    call, and awaiting one leaves the event loop free for the requests in flight. Weight updates go between
+    ``pause`` and ``resume``::
 
-        engine.pause("retract")  # or "abort" / "keep"
-        ... load weights v+1 ...; engine.flush_cache()
-        engine.resume()          # retracted requests continue under v+1
+        await engine.pause("retract")  # or "abort" / "keep"
+        ... load weights v+1 ...; await engine.flush_cache()
+        await engine.resume()          # retracted requests continue under v+1
     """
 
     @property
@@ -113,8 +115,8 @@ class Engine(Protocol):
         """
         ...
 
-    def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
-        """Stop generating (before a weight update); blocks until no batch is running, so weights may change.
+    async def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
+        """Stop generating (before a weight update); returns once no batch is running, so weights may change.
 
         Requests submitted while paused are held until ``resume``. Modes, for the requests already submitted:
             abort: running and queued requests end now: their ``generate`` returns the partial output (tokens
@@ -128,15 +130,15 @@ class Engine(Protocol):
         """
         ...
 
-    def resume(self) -> None:
+    async def resume(self) -> None:
         """Generate again: held, queued and retracted requests start (under the weights now loaded)."""
         ...
 
-    def flush_cache(self) -> None:
+    async def flush_cache(self) -> None:
         """Drop cached prefixes/KV computed with older weights (call between a weight update and ``resume``)."""
         ...
 
-    def health(self) -> bool:
+    async def health(self) -> bool:
         """True when the engine can serve requests."""
         ...
 

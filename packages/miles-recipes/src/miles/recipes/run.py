@@ -46,7 +46,7 @@ from miles.recipes.sinks import (
 from miles.rollout.config import DataConfig, RewardConfig
 
 if TYPE_CHECKING:
-    from miles.core.publisher import EnginePublisher
+    from miles.core.publisher import EnginePublisher, LogProbProbe
     from miles.rollout.engines.launch import LaunchedEngine
 
 logger = logging.getLogger(__name__)
@@ -510,6 +510,23 @@ def build_inputs(cfg: MilesConfig) -> tuple[RewardFn, DataSource, list]:
     return reward_fn, data_source, eval_prompts
 
 
+def build_probe(cfg: MilesConfig, tokenizer: Any) -> LogProbProbe | None:
+    """The weight probe of ``engine.probe`` (None when its ``tokens`` is 0): the prompt tokenized as is, the
+    rollouts' temperature, the tolerance for the engine's dtype."""
+    from miles.core.publisher import LogProbProbe
+
+    probe = cfg.engine.probe
+    if probe.tokens == 0:
+        return None
+    return LogProbProbe(
+        tokenizer(probe.prompt, add_special_tokens=False)["input_ids"],
+        temperature=cfg.rollout.sampling.temperature,
+        max_new_tokens=probe.tokens,
+        max_abs_diff=probe.tolerance(cfg.engine.dtype),
+        seed=cfg.rollout.seed,
+    )
+
+
 def build_rollout(cfg: MilesConfig, engine: Any, tokenizer: Any, plugins: RunPlugins) -> tuple[Any, Any]:
     """(rollout function, group-generate function or None) of a run: SFT's reference answers, the
     ``rollout.rollout_path`` factory's function, the ``rollout.generate_path`` (or multi-turn) factory's group
@@ -676,7 +693,8 @@ def run(
                 **algorithm_models(cfg, model_path),
             )
         pause_mode = cfg.loop.pause_mode or getattr(cfg.engine, "pause_mode", "keep")
-        publisher = EnginePublisher(backend, [engine], pause_mode=pause_mode)
+        probe = build_probe(cfg, tokenizer)
+        publisher = EnginePublisher(backend, [engine], pause_mode=pause_mode, probe=probe)
         rollout_fn, generate_group = build_rollout(cfg, engine, tokenizer, plugins)
         logger.info(
             "loaded %s (engine: %s; trainer %s) in %.1fs",
@@ -697,7 +715,12 @@ def run(
         start_step = 0
         if resume_from is not None:  # last: building the models above consumed RNG draws the checkpoint must undo
             publisher, start_step = _restore_checkpoint(
-                Path(resume_from), backend=backend, data_source=data_source, engine=engine, pause_mode=pause_mode
+                Path(resume_from),
+                backend=backend,
+                data_source=data_source,
+                engine=engine,
+                pause_mode=pause_mode,
+                probe=probe,
             )
             _drop_metrics_after(run_dir / "metrics.jsonl", start_step)
             final.append(Path(resume_from))
@@ -999,6 +1022,7 @@ def _restore_checkpoint(
     engine: Any,
     pause_mode: str,
     guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    probe: LogProbProbe | None = None,
 ) -> tuple[EnginePublisher, int]:
     """Restore ``checkpoint`` into a built trainer and data source (``restore_run_checkpoint``: weights, optimizer,
     data position, RNG states) and push its weights to ``engine``, which holds others (models.policy.path's, or
@@ -1008,7 +1032,7 @@ def _restore_checkpoint(
 
     state = restore_run_checkpoint(checkpoint, backend=backend, data_source=data_source)
     publisher = EnginePublisher(
-        backend, [engine], version=max(state.weight_version - 1, 0), pause_mode=pause_mode, guard=guard
+        backend, [engine], version=max(state.weight_version - 1, 0), pause_mode=pause_mode, guard=guard, probe=probe
     )
     if state.weight_version > 0:
         publisher.publish()  # as the checkpoint's version; the next step's publish continues from it
@@ -1045,13 +1069,15 @@ def _restart_trainer(
             engine=engine,
             pause_mode=pause_mode,
             guard=components.publisher.guard,  # the engine supervisor's, in Ray mode
+            probe=components.publisher.probe,
         )
     else:
         data_state, rng_state = initial_state
         components.data_source.load_state_dict(data_state)
         restore_rng_state(rng_state)
-        version, guard = engine.weight_version, components.publisher.guard
-        publisher, step = EnginePublisher(backend, [engine], version=version, pause_mode=pause_mode, guard=guard), 0
+        version, guard, probe = engine.weight_version, components.publisher.guard, components.publisher.probe
+        publisher = EnginePublisher(backend, [engine], version=version, pause_mode=pause_mode, guard=guard, probe=probe)
+        step = 0
         if publisher.version > 0:  # versions never repeat: the initial weights come back as a new one
             publisher.publish()
     components.backend, components.publisher = backend, publisher

@@ -194,6 +194,40 @@ def _delta_weights_field() -> Any:
     )
 
 
+class ProbeConfig(_Section):
+    """The weight probe after each update (``miles.core.publisher.LogProbProbe``): the engine samples a fixed
+    prompt, the trainer recomputes the sampled tokens' log-probs, and their largest difference is the metric
+    ``sync/probe_logprob_max_abs_diff``."""
+
+    tokens: int = Field(16, ge=0, description="Tokens each engine samples for the probe per update; 0 = no probe.")
+    max_abs_diff: float | None = Field(
+        None,
+        gt=0,
+        description="Largest |engine - trainer| log-prob (nats) of a probe token before the update counts as failed "
+        "(the run stops: the engine does not sample with the trainer's weights); null = 0.1 for an fp32 engine, 1.0 "
+        "for bf16 (fp32 engines agree to ~1e-5 here; a missed tensor moves log-probs by ~0.1 or more).",
+    )
+    prompt: str = Field(
+        "The quick brown fox jumps over the lazy dog. Counting on: one, two, three,",
+        min_length=1,
+        description="The probe prompt (tokenized as is, no chat template).",
+    )
+
+    def tolerance(self, engine_dtype: str) -> float:
+        """``max_abs_diff``, or its default for an engine of ``engine_dtype`` ("fp32" / "bf16")."""
+        if self.max_abs_diff is not None:
+            return self.max_abs_diff
+        return 0.1 if engine_dtype == "fp32" else 1.0
+
+
+def _probe_field() -> Any:
+    return Field(
+        default_factory=ProbeConfig,
+        description="After each weight update the engine samples a fixed prompt and the trainer recomputes those "
+        "tokens' log-probs: metric sync/probe_logprob_max_abs_diff; too large a difference fails the update.",
+    )
+
+
 class EmbeddedEngineConfig(_Section):
     """The embedded engine: an in-process HF model (``miles.rollout.engines.EmbeddedEngine``)."""
 
@@ -217,6 +251,7 @@ class EmbeddedEngineConfig(_Section):
         "decode: keep the decode-step logits, as server engines do.",
     )
     delta_weights: bool = _delta_weights_field()
+    probe: ProbeConfig = _probe_field()
 
 
 class HealthCheckConfig(_Section):
@@ -312,6 +347,7 @@ class _ServerEngineConfig(_Section):
         description="engine.weight_transfer disk: the shared directory the versions go to (the newest 2 stay); "
         "empty = a directory beside the run directory, removed when the run ends.",
     )
+    probe: ProbeConfig = _probe_field()
 
 
 class VLLMEngineConfig(_ServerEngineConfig):

@@ -140,7 +140,7 @@ async def health() -> Response:
 async def health_generate(request: Request) -> Response:
     """One greedy token from token id 0, as SGLang; 503 while paused or released, or after 20 s."""
     engine = _state(request).engine
-    if engine.paused or not engine.health():
+    if engine.paused or not await engine.health():
         return Response(status_code=503)
     probe = GenerateRequest([0], SamplingConfig(top_k=1, max_new_tokens=1), request_id=f"HEALTH_CHECK_{time.time()}")
     try:
@@ -264,20 +264,20 @@ async def pause_generation(request: Request) -> Response:
         return _error(str(err))
     if mode not in SGLANG_TO_MILES_PAUSE:
         return _error(f"pause mode must be one of {sorted(SGLANG_TO_MILES_PAUSE)}, got {mode!r}")
-    await asyncio.to_thread(_state(request).engine.pause, SGLANG_TO_MILES_PAUSE[mode])
+    await _state(request).engine.pause(SGLANG_TO_MILES_PAUSE[mode])
     return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request) -> Response:
-    _state(request).engine.resume()
+    await _state(request).engine.resume()
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> Response:
     """Always succeeds: the engine caches nothing between batches."""
-    _state(request).engine.flush_cache()
+    await _state(request).engine.flush_cache()
     return PlainTextResponse("Cache flushed.\n")
 
 
@@ -478,14 +478,14 @@ def _load_paused(engine: EmbeddedEngine, named: dict[str, torch.Tensor], version
             )
     was_paused = engine.paused
     if not was_paused:
-        engine.pause("keep")  # blocks until the running batch ends; queued requests wait
+        engine.pause_now("keep")  # blocks until the running batch ends; queued requests wait
     try:
         engine.load_weights(named.items())
         if version is not None:
             engine.set_weight_version(version)
     finally:
         if not was_paused and not keep_pause:
-            engine.resume()
+            engine.resume_now()
 
 
 @router.post("/update_weights_from_tensor")

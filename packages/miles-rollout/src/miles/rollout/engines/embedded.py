@@ -252,9 +252,14 @@ class EmbeddedEngine:
 
         return asyncio.run(run())
 
-    def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
+    async def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
         """``Engine.pause``: hold new batches and, for abort/retract, stop the running one after its current
-        decode step; blocks until no batch runs. Raises: ValueError for an unknown mode."""
+        decode step; returns once no batch runs (waiting in a worker thread: the event loop keeps serving the
+        requests in flight). Raises: ValueError for an unknown mode."""
+        return await asyncio.to_thread(self.pause_now, mode)
+
+    def pause_now(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
+        """``pause`` for synchronous callers (scripts, ``close``, tests): blocks until no batch runs."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._state:
@@ -276,7 +281,11 @@ class EmbeddedEngine:
             logger.debug("pause(%s): %d requests interrupted", mode, len(outputs))
         return outputs
 
-    def resume(self) -> None:
+    async def resume(self) -> None:
+        self.resume_now()
+
+    def resume_now(self) -> None:
+        """``resume`` for synchronous callers."""
         with self._state:
             self._paused = False
             self._start_worker()
@@ -292,14 +301,14 @@ class EmbeddedEngine:
         """
         with self._state:
             worker = self._worker
-        self.pause("abort")
+        self.pause_now("abort")
         if worker is not None:
             worker.join()  # pause returned once no batch runs: the thread only frees memory before it ends
 
-    def flush_cache(self) -> None:
+    async def flush_cache(self) -> None:
         """No-op: the embedded engine keeps no KV cache between batches."""
 
-    def health(self) -> bool:
+    async def health(self) -> bool:
         """True unless the weights are released."""
         return self._released is None
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 from miles.core.protocols import GenerateOutput, GenerateRequest, PauseMode, RequestFailed
+from miles.core.publisher import run_sync
 from miles.rollout.engines.sglang_api import generate_payload, parse_generate_response, parse_weight_version
 from miles.sync import WeightUpdateError
 from torch import Tensor
@@ -236,7 +237,7 @@ class SGLangEngine:
             "retry_backoff_s, or check the servers"
         )
 
-    def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
+    async def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
         """``Engine.pause`` as ``/pause_generation`` on every worker: abort, retract, or keep -> SGLang's
         ``in_place`` (requests stay in the server and continue after ``resume``). Returns [].
 
@@ -244,44 +245,52 @@ class SGLangEngine:
         """
         if mode not in MILES_TO_SGLANG_PAUSE:
             raise ValueError(f"pause mode must be one of {sorted(MILES_TO_SGLANG_PAUSE)}, got {mode!r}")
-        self._post_all("/pause_generation", {"mode": MILES_TO_SGLANG_PAUSE[mode]})
+        await self._apost_all("/pause_generation", {"mode": MILES_TO_SGLANG_PAUSE[mode]})
         return []
 
-    def resume(self) -> None:
-        self._post_all("/continue_generation", {})
+    async def resume(self) -> None:
+        """``/continue_generation`` on every worker. Raises: RuntimeError naming a worker that failed."""
+        await self._apost_all("/continue_generation", {})
 
-    def flush_cache(self) -> None:
+    async def flush_cache(self) -> None:
         """``/flush_cache`` on every worker. SGLang refuses (400) while requests run or wait; that is retried for
         up to ``control_timeout_s``. Raises: RuntimeError if a worker still refuses."""
         deadline = time.monotonic() + self.control_timeout_s
         pending = list(self.worker_urls)
-        while pending:
-            refused = []
-            for url in pending:
-                try:
-                    status = self._client.post(url + "/flush_cache").status_code
-                except httpx.HTTPError as err:
-                    raise RuntimeError(f"{url}/flush_cache failed: {err!r}") from err
-                if status == 400:
-                    refused.append(url)
-                elif status != 200:
-                    raise RuntimeError(f"{url}/flush_cache answered {status}")
-            if refused and time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{refused[0]} refused /flush_cache for {self.control_timeout_s:.0f}s: it still holds requests "
-                    "(SGLang cannot flush while paused in_place with requests held; pause with retract or abort)"
-                )
-            pending = refused
-            if pending:
-                time.sleep(0.5)  # poll: SGLang answers at once, refusing while busy
+        async with self._control_client() as client:
+            while pending:
+                refused = []
+                for url in pending:
+                    try:
+                        status = (await client.post(url + "/flush_cache")).status_code
+                    except httpx.HTTPError as err:
+                        raise RuntimeError(f"{url}/flush_cache failed: {err!r}") from err
+                    if status == 400:
+                        refused.append(url)
+                    elif status != 200:
+                        raise RuntimeError(f"{url}/flush_cache answered {status}")
+                if refused and time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{refused[0]} refused /flush_cache for {self.control_timeout_s:.0f}s: it still holds "
+                        "requests (SGLang cannot flush while paused in_place with requests held; pause with retract "
+                        "or abort)"
+                    )
+                pending = refused
+                if pending:
+                    await asyncio.sleep(0.5)  # poll: SGLang answers at once, refusing while busy
 
-    def health(self) -> bool:
+    async def health(self) -> bool:
         """True when every worker (and the router) answers ``/health`` with 200."""
         urls = self.worker_urls + ([self.router_url] if self.router_url else [])
-        try:
-            return all(self._client.get(url + "/health").status_code == 200 for url in urls)
-        except httpx.HTTPError:
-            return False
+        async with self._control_client() as client:
+
+            async def ok(url: str) -> bool:
+                try:
+                    return (await client.get(url + "/health")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            return all(await asyncio.gather(*(ok(url) for url in urls)))
 
     def health_generate(self, timeout_s: float = 30.0) -> dict[str, bool]:
         """Each worker's ``GET /health_generate``: True when it generated a token (SGLang runs one greedy token;
@@ -300,12 +309,12 @@ class SGLangEngine:
         ``tags`` of SGLang's ``"weights"`` / ``"kv_cache"``, None = both. The workers must be idle (pause with
         abort first); before generating again: ``resume_memory``, then push weights (released weights are gone).
         Raises: ValueError for another tag; RuntimeError naming a worker that refused."""
-        self._post_all("/release_memory_occupation", {"tags": _memory_tags(tags)})
+        run_sync(self._apost_all("/release_memory_occupation", {"tags": _memory_tags(tags)}))
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """``/resume_memory_occupation`` on every worker: re-allocates what ``release_memory`` freed (weights
         zero-filled: push them before generating). Raises: as ``release_memory``."""
-        self._post_all("/resume_memory_occupation", {"tags": _memory_tags(tags)})
+        run_sync(self._apost_all("/resume_memory_occupation", {"tags": _memory_tags(tags)}))
 
     def close(self) -> None:
         """Close the HTTP connections of this thread's client (async clients close with their event loop)."""
@@ -347,20 +356,24 @@ class SGLangEngine:
             raise RuntimeError(f"{url}{path} answered {response.status_code}: {_message(response)}")
         return response.json()
 
-    def _post_all(self, path: str, body: dict[str, Any]) -> None:
+    def _control_client(self) -> httpx.AsyncClient:
+        """A client for engine control calls, closed after them (they may come from any event loop)."""
+        return httpx.AsyncClient(timeout=self.control_timeout_s, transport=self._transport)  # type: ignore[arg-type]
+
+    async def _apost_all(self, path: str, body: dict[str, Any]) -> None:
         """POST ``body`` to every worker at once. Raises: RuntimeError naming the first worker that failed."""
+        async with self._control_client() as client:
 
-        def post(url: str) -> str | None:
-            try:
-                response = self._client.post(url + path, json=body)
-            except httpx.HTTPError as err:
-                return f"{url}{path} failed: {err!r}"
-            if response.status_code != 200:
-                return f"{url}{path} answered {response.status_code}: {_message(response)}"
-            return None
+            async def post(url: str) -> str | None:
+                try:
+                    response = await client.post(url + path, json=body)
+                except httpx.HTTPError as err:
+                    return f"{url}{path} failed: {err!r}"
+                if response.status_code != 200:
+                    return f"{url}{path} answered {response.status_code}: {_message(response)}"
+                return None
 
-        with concurrent.futures.ThreadPoolExecutor(len(self.worker_urls)) as pool:
-            errors = [e for e in pool.map(post, self.worker_urls) if e is not None]
+            errors = [e for e in await asyncio.gather(*(post(url) for url in self.worker_urls)) if e is not None]
         if errors:
             raise RuntimeError(errors[0] + (f" (and {len(errors) - 1} more workers)" if len(errors) > 1 else ""))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import logging
 import math
 import os
@@ -137,15 +138,42 @@ def vllm_env(*, kv_cache_gib: float = 1.0, threads: int = 0) -> dict[str, str]:
 
 def check_vllm_installed(python: str = "") -> None:
     """Raise ServerStartError with the install command when ``python`` ("" = ``default_vllm_python()``) cannot import
-    vLLM (checked without importing it, ~0.1 s)."""
+    vLLM, or cannot import miles-sync (whose weight-transfer plugin every vLLM process loads; an editable install
+    whose checkout was moved or deleted is gone too); warn when its miles-sync is another checkout's than this
+    process's. Checked without importing vLLM, ~0.1 s."""
     python = python or default_vllm_python()
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    probe = (
+        "import importlib.util as u, json; "
+        "s = u.find_spec('miles.sync') if u.find_spec('miles') else None; "
+        "print(json.dumps([u.find_spec('vllm') is not None, s.origin if s else None]))"
+    )
     try:
-        result = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
+        result = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
         raise ServerStartError(f"engine.python {python!r} does not exist; {INSTALL_HINT}") from None
-    if result.returncode != 0:
+    try:
+        has_vllm, sync_origin = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise ServerStartError(
+            f"engine.python {python!r} could not run a Python check ({result.stderr.strip()[-300:]}); {INSTALL_HINT}"
+        ) from None
+    if not has_vllm:
         raise ServerStartError(f"vLLM is not installed for {python}; {INSTALL_HINT}")
+    if sync_origin is None:
+        raise ServerStartError(
+            f"miles-sync is not importable by {python} (vLLM loads its weight-transfer plugin in every process; an "
+            "editable install from a checkout that was moved or deleted is gone too); run scripts/install_vllm.sh "
+            "from this checkout, which installs it there"
+        )
+    ours = Path(sys.modules["miles.sync"].__file__ or "").resolve()
+    if Path(sync_origin).resolve() != ours:
+        logger.warning(
+            "the vLLM environment %s loads miles-sync from %s, not this checkout's %s; run scripts/install_vllm.sh "
+            "from this checkout if the two differ",
+            python,
+            sync_origin,
+            ours,
+        )
 
 
 class VLLMEngine:
@@ -294,29 +322,56 @@ class VLLMEngine:
                 raise RuntimeError(f"vLLM at {url}: POST {path} answered {result.status_code}: {result.text[:300]}")
         return results
 
-    def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
+    async def _apost_all(self, path: str, **kwargs: Any) -> None:
+        """POST to every server at once, from the running event loop (engine control, a fresh connection each:
+        control calls are rare and may come from a loop other than the requests').
+        Raises: RuntimeError naming the first server that failed or answered an error."""
+        async with httpx.AsyncClient(timeout=self.request_timeout_s) as client:
+
+            async def post(url: str) -> str | None:
+                try:
+                    response = await client.post(url + path, **kwargs)
+                except httpx.HTTPError as err:
+                    return f"vLLM at {url}: POST {path} failed: {err!r}"
+                if response.status_code >= 400:
+                    return f"vLLM at {url}: POST {path} answered {response.status_code}: {response.text[:300]}"
+                return None
+
+            errors = [e for e in await asyncio.gather(*(post(url) for url in self.urls)) if e is not None]
+        if errors:
+            raise RuntimeError(errors[0] + (f" (and {len(errors) - 1} more servers)" if len(errors) > 1 else ""))
+
+    async def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
         """``Engine.pause`` on every server. Returns []: interrupted requests' partial outputs come back through
         their own ``generate`` calls (finish "abort"), as an HTTP server answers each request itself.
         Raises: ValueError for an unknown mode; RuntimeError when a server fails to pause."""
         if mode not in VLLM_PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {tuple(VLLM_PAUSE_MODES)}, got {mode!r}")
-        self._post_all("/pause", params={"mode": VLLM_PAUSE_MODES[mode], "clear_cache": "false"})
+        await self._apost_all("/pause", params={"mode": VLLM_PAUSE_MODES[mode], "clear_cache": "false"})
         return []
 
-    def resume(self) -> None:
+    async def resume(self) -> None:
+        """``Engine.resume`` on every server. Raises: RuntimeError when a server fails to resume."""
         if self.version_from_servers:  # before requests continue: they record the version they finish on
-            self._version = min(parse_weight_version(v) for v in self.server_versions())
-        self._post_all("/resume")
+            versions = await asyncio.to_thread(self.server_versions)
+            self._version = min(parse_weight_version(v) for v in versions)
+        await self._apost_all("/resume")
 
-    def flush_cache(self) -> None:
+    async def flush_cache(self) -> None:
         """Drop every server's prefix cache (KV computed with older weights)."""
-        self._post_all("/reset_prefix_cache")
+        await self._apost_all("/reset_prefix_cache")
 
-    def health(self) -> bool:
-        try:
-            return all(httpx.get(url + "/health", timeout=10).status_code == 200 for url in self.urls)
-        except httpx.HTTPError:
-            return False
+    async def health(self) -> bool:
+        """True when every server answers ``/health`` with 200 (within 10 s)."""
+        async with httpx.AsyncClient(timeout=10) as client:
+
+            async def ok(url: str) -> bool:
+                try:
+                    return (await client.get(url + "/health")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            return all(await asyncio.gather(*(ok(url) for url in self.urls)))
 
     def set_weight_version(self, version: int) -> None:
         """Record ``version`` on every server (``/update_weight_version``) without changing weights."""
