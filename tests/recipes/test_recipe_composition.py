@@ -8,6 +8,7 @@ import pytest
 import yaml
 from miles.recipes.cli import resolve_config
 from miles.recipes.registry import load_recipe, merge_recipe, recipe_names
+from miles.rollout.config import ProbeConfig
 
 FLAT = yaml.safe_load((Path(__file__).parent / "flat_resolved_configs.yaml").read_text())
 # Shipped recipes added after the nested config: they have no flat predecessor.
@@ -90,7 +91,8 @@ def _nested(flat: dict) -> dict:
     async_defaults = {"max_weight_staleness": None, "partial_rollout": False, "mask_stale_segments": False}
     tree["loop"] = {"mode": "sync", **async_defaults, **flat["loop"]}  # the async loops' fields, at their defaults
     tree["reward"] = {**flat["reward"], "workers": 0, "memory_limit_mib": None}  # the reward pool's, at defaults
-    tree["engine"] = {**flat["engine"], "delta_weights": False}  # delta weight updates: added later, off
+    probe = {"tokens": 16, "max_abs_diff": None, "prompt": ProbeConfig().prompt}  # the weight probe: added later
+    tree["engine"] = {**flat["engine"], "delta_weights": False, "probe": probe}  # delta updates: added later, off
     tree["run"] = {**flat["run"], "tensorboard": False, "wandb": None}  # TensorBoard, W&B: added later, off
     tree["reward"] |= {"group_path": ""}
     code = {"time_limit_s": 5.0, "memory_limit_mib": 1024}  # reward.type code and remote: added later, at defaults

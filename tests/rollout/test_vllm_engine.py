@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import sys
 
+import httpx
 import pytest
 import torch
 from miles.core.config import SamplingConfig
@@ -62,6 +63,56 @@ def test_a_vllm_environment_without_miles_sync_is_one_clear_error(tmp_path):
     python.chmod(0o755)
     with pytest.raises(ServerStartError, match=r"miles-sync is not importable by .*run scripts/install_vllm.sh"):
         check_vllm_installed(str(python))
+
+
+class FakeVLLMServers:
+    """Two vLLM servers' HTTP answers (for ``httpx.MockTransport``): completions echo which server answered, and
+    every control call is recorded; ``down`` servers refuse connections."""
+
+    def __init__(self, down=()):
+        self.calls: list[tuple[str, str]] = []
+        self.down = set(down)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        host, path = f"http://{request.url.host}", request.url.path
+        if host in self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        self.calls.append((host, path))
+        if path == "/v1/completions":
+            token = 7 if host == "http://s0" else 8
+            choice = {"token_ids": [token], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}
+            return httpx.Response(200, json={"choices": [choice]})
+        return httpx.Response(200, json={})
+
+    def hosts(self, path: str) -> list[str]:
+        return [host for host, p in self.calls if p == path]
+
+
+def test_requests_go_round_robin_over_the_servers_and_control_calls_reach_every_server():
+    servers = FakeVLLMServers()
+    engine = VLLMEngine(["http://s0", "http://s1"], model="m", transport=httpx.MockTransport(servers))
+    sampling = SamplingConfig(max_new_tokens=1)
+
+    async def run():
+        outputs = await asyncio.gather(*(engine.generate(GenerateRequest([1, i], sampling, seed=i)) for i in range(6)))
+        for call in (engine.pause("retract"), engine.flush_cache(), engine.resume()):
+            await call
+        return outputs, await engine.health()
+
+    outputs, healthy = asyncio.run(run())
+    assert [o.response_tokens for o in outputs] == [[7], [8]] * 3 and healthy
+    assert engine.requests_sent == {"http://s0": 3, "http://s1": 3}
+    for path in ("/pause", "/reset_prefix_cache", "/resume", "/health"):
+        assert sorted(servers.hosts(path)) == ["http://s0", "http://s1"], path
+
+
+def test_a_server_that_is_down_fails_control_calls_naming_it_and_makes_the_engine_unhealthy():
+    servers = FakeVLLMServers(down={"http://s1"})
+    engine = VLLMEngine(["http://s0", "http://s1"], model="m", transport=httpx.MockTransport(servers))
+    with pytest.raises(RuntimeError, match=r"vLLM at http://s1: POST /pause failed"):
+        asyncio.run(engine.pause("keep"))
+    assert servers.hosts("/pause") == ["http://s0"]  # the other server was still paused: the caller resumes it
+    assert asyncio.run(engine.health()) is False
 
 
 def test_completion_parsing_keeps_ids_and_log_probs_and_fails_only_bad_responses():

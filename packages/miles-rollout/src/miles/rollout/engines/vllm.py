@@ -193,6 +193,8 @@ class VLLMEngine:
             ``VLLMWeightSink``): ``weight_version`` is then the lowest version the servers report, read on every
             ``resume`` (a publisher resumes the engines after each push). False: the sink pushing through this
             engine sets it.
+        transport: the httpx transport of the generate and control calls (tests: ``httpx.MockTransport``); None =
+            the network.
 
     Finish reasons: vLLM's "stop" and "length" map to themselves; "abort" (a ``pause("abort")``) keeps the partial
     response. Log-probs are the server's decode-step ones (~3e-5 from the trainer's in fp32 here).
@@ -208,6 +210,7 @@ class VLLMEngine:
         max_retries: int = 2,
         servers: Sequence[ServerProcess] = (),
         version_from_servers: bool = False,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
@@ -218,6 +221,7 @@ class VLLMEngine:
         self.max_retries = max_retries
         self.servers = list(servers)
         self.version_from_servers = version_from_servers
+        self._transport = transport
         self._next_url = itertools.cycle(self.urls)
         self._version = 0
         # Per event loop (a client is bound to its loop), keyed weakly by the loop itself: a new loop can reuse a
@@ -237,7 +241,9 @@ class VLLMEngine:
         client = self._clients.get(loop)
         if client is None or client.is_closed:
             limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-            client = self._clients[loop] = httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits)
+            client = self._clients[loop] = httpx.AsyncClient(
+                timeout=self.request_timeout_s, limits=limits, transport=self._transport
+            )
         return client
 
     def request_body(self, request: GenerateRequest) -> dict[str, Any]:
@@ -326,7 +332,7 @@ class VLLMEngine:
         """POST to every server at once, from the running event loop (engine control, a fresh connection each:
         control calls are rare and may come from a loop other than the requests').
         Raises: RuntimeError naming the first server that failed or answered an error."""
-        async with httpx.AsyncClient(timeout=self.request_timeout_s) as client:
+        async with httpx.AsyncClient(timeout=self.request_timeout_s, transport=self._transport) as client:
 
             async def post(url: str) -> str | None:
                 try:
@@ -363,7 +369,7 @@ class VLLMEngine:
 
     async def health(self) -> bool:
         """True when every server answers ``/health`` with 200 (within 10 s)."""
-        async with httpx.AsyncClient(timeout=10) as client:
+        async with httpx.AsyncClient(timeout=10, transport=self._transport) as client:
 
             async def ok(url: str) -> bool:
                 try:
