@@ -1,6 +1,12 @@
 """The training loop, as DESIGN.md section 4 states it:
 rollout -> reward -> filter -> advantages -> (ref/old log-probs) -> train -> push weights -> eval -> save.
 
+``train`` runs the steps; each step (``run_step``) is one function per stage, like slime's ``train.py``:
+``rollout_stage`` (generate and score the step's groups, dynamic sampling, buffer filter) -> ``advantage_stage``
+(reward shaping, the train batch, the estimator's backend outputs and advantages) -> ``train_stage`` (optimizer
+steps) -> ``publish_stage`` (new weight version to the engines) -> ``step_metrics``; evaluation and checkpoints run
+between steps. The algorithm's plugins are loaded once per run (``load_algorithm_plugins``).
+
 ``loop.mode`` sync generates each step's rollout after the previous step's weights are published; one_step_off and
 fully_async take it from a ``RolloutProducer`` that generates ahead within the staleness bound (``producer.py``)."""
 
@@ -55,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 # Token id written into padding; attention masks hide it, so any valid id works.
 PAD_TOKEN_ID = 0
+_DS_FILTER_KEY = "algorithm.dynamic_sampling.filter_path"
 
 
 class AllSamplesFailed(RuntimeError):
@@ -170,7 +177,7 @@ def train(
         that does not load or has the wrong signature.
     """
     check_group_size(rollout, algorithm)
-    load_algorithm_plugins(algorithm)
+    plugins = load_algorithm_plugins(algorithm)  # once per run; every step's stages use these
     c = components
     producer = None
     if loop.mode != "sync":
@@ -214,6 +221,7 @@ def train(
                 objective=objective,
                 producer=producer,
                 drain=loop.mode == "one_step_off",
+                plugins=plugins,
             )
             if c.engine_health is not None:
                 metrics.update(c.engine_health())
@@ -233,6 +241,47 @@ def train(
     return loop.num_steps
 
 
+@dataclass
+class RolloutResult:
+    """What the rollout stage hands on: one step's samples, generated and scored.
+
+    Attributes:
+        samples: the step's samples in training order (groups in prompt order), numbered 0.. by ``index``.
+        num_failed: samples that failed (FAILED; ABORTED ones are not counted).
+        metrics: the stage's metrics (dynamic sampling, buffer filter, producer staleness/buffer).
+        taken: group indices the step consumed (marked trained once its weights are published).
+        seconds: wall time of the stage.
+    """
+
+    samples: list[Sample]
+    num_failed: int
+    metrics: dict[str, float]
+    taken: list[int]
+    seconds: float
+
+
+@dataclass
+class AdvantageResult:
+    """What the advantage stage hands on: the train batch with advantages, and the rewards behind them.
+
+    Attributes:
+        batch: [B, ...] the step's ``TrainBatch`` with advantages, returns and the backend outputs the estimator
+            needed (old/ref/teacher log-probs, critic values).
+        scores: [B] float32 rewards as scored (0.0 where not scored).
+        scored: per sample, True when it has a reward (not FAILED or ABORTED).
+        rewards: [B] float32 rewards after shaping (overlong penalty, post-process plugin).
+        group_index: [B] int64 each sample's group.
+        valid: [B] bool samples in the group statistics (scored, with a trainable token).
+    """
+
+    batch: TrainBatch
+    scores: torch.Tensor
+    scored: list[bool]
+    rewards: torch.Tensor
+    group_index: torch.Tensor
+    valid: torch.Tensor
+
+
 def run_step(
     c: Components,
     *,
@@ -242,39 +291,117 @@ def run_step(
     objective: PolicyObjective | None = None,
     producer: RolloutProducer | None = None,
     drain: bool = False,
+    plugins: Mapping[str, Callable[..., object]] | None = None,
 ) -> dict[str, float]:
-    """One rollout step: generate (+ dynamic sampling), score, shape, advantages, train, publish weights.
+    """One rollout step, one function per stage: rollout (generate + score) -> advantages -> train -> publish;
+    returns the step's metrics. Evaluation and checkpoints run between steps (``train``).
 
     ``objective`` is built from ``algorithm`` when not given (``train`` builds it once per run; an estimator
-    with a critic needs it given). With a ``producer`` the rollout is taken from it (generated ahead, already
+    with a critic needs it given); ``plugins`` are the algorithm's loaded plugins (``load_algorithm_plugins``;
+    loaded here when not given). With a ``producer`` the rollout is taken from it (generated ahead, already
     scored), its prompts are marked trained, and the producer may start the groups the published weights allow;
     ``drain`` first waits for every group it is generating (one-step-off).
+    Raises: AllSamplesFailed / AllSamplesAborted when no sample of the step can be trained;
+        DynamicSamplingExhausted; what the backend, the publisher or a plugin raises.
     """
     if objective is None:
         objective = PolicyObjective(algorithm, max_new_tokens=rollout.max_response_tokens)
+    if plugins is None:
+        plugins = load_algorithm_plugins(algorithm)
+    t0 = time.perf_counter()
+    result = rollout_stage(c, step=step, rollout=rollout, algorithm=algorithm, producer=producer, plugins=plugins)
+    advantages = advantage_stage(c, result, rollout=rollout, algorithm=algorithm, objective=objective, plugins=plugins)
+    t1 = time.perf_counter()
+    train_metrics = train_stage(c.backend, advantages.batch, objective, rollout.steps_per_rollout)
+    t_train = time.perf_counter() - t1
+    trained_version = c.publisher.version  # the weights this step's samples are trained against
+    version, publish_metrics = publish_stage(c, step=step, taken=result.taken, producer=producer, drain=drain)
+    metrics = step_metrics(
+        step=step,
+        result=result,
+        advantages=advantages,
+        rollout=rollout,
+        algorithm=algorithm,
+        trained_version=trained_version,
+    )
+    metrics.update(train_metrics)
+    num_response_tokens = sum(s.response_length for s in result.samples)
+    num_tokens = sum(len(s.tokens) for s in result.samples)
+    metrics.update(publish_metrics)
+    metrics.update(
+        {
+            "weight_version": float(version),
+            "time/rollout": result.seconds,
+            "time/train": t_train,
+            "time/step": time.perf_counter() - t0,
+            "throughput/rollout_tokens_per_s": num_response_tokens / max(result.seconds, 1e-9),
+            "throughput/train_tokens_per_s": num_tokens / max(t_train, 1e-9),
+        }
+    )
+    return metrics
+
+
+def rollout_stage(
+    c: Components,
+    *,
+    step: int,
+    rollout: RolloutConfig,
+    algorithm: AlgorithmConfig,
+    producer: RolloutProducer | None = None,
+    plugins: Mapping[str, Callable[..., object]] | None = None,
+) -> RolloutResult:
+    """The rollout stage: the step's groups, generated and scored, through the buffer filter, after the
+    ``on_rollout_end`` hooks. Sync: generated now (``collect_samples``, with dynamic sampling); with a ``producer``:
+    taken from what it generated ahead (scored as each group completed), too-stale groups dropped and redone.
+
+    Raises: AllSamplesAborted when every sample was cut off by weight updates; AllSamplesFailed when no sample
+        got a reward; DynamicSamplingExhausted.
+    """
+    plugins = plugins or {}
     t0 = time.perf_counter()
     if producer is None:
-        samples, num_failed, filter_metrics = collect_samples(c, step=step, rollout=rollout, algorithm=algorithm)
+        samples, num_failed, metrics = collect_samples(
+            c, step=step, rollout=rollout, algorithm=algorithm, group_filter=plugins.get(_DS_FILTER_KEY)
+        )
     else:
         dropped = producer.num_dropped
         groups = producer.take(step, c.publisher.version)
         samples = [s for group in groups for s in group]
         num_failed = sum(s.status == SampleStatus.FAILED for s in samples)
-        filter_metrics = {"staleness/dropped_groups": float(producer.num_dropped - dropped), **producer.stats()}
+        metrics = {"staleness/dropped_groups": float(producer.num_dropped - dropped), **producer.stats()}
     taken = sorted({s.group_index for s in samples})  # consumed, whether the buffer filter keeps them or not
     if algorithm.buffer_filter_path:
-        samples, num_failed = _buffer_filter(samples, algorithm.buffer_filter_path, filter_metrics)
+        samples, num_failed = _buffer_filter(
+            samples, algorithm.buffer_filter_path, metrics, plugin=plugins.get("algorithm.buffer_filter_path")
+        )
     c.call_hooks("on_rollout_end", step, samples)
-    t_rollout = time.perf_counter() - t0
-    scored = [s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples]
-    if not any(scored):
+    if not any(s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples):
         if samples and all(s.status == SampleStatus.ABORTED for s in samples):  # not a failure: say what it is
             raise AllSamplesAborted(step + 1, len(samples), rollout.max_resubmits)
         raise AllSamplesFailed(step + 1, samples)
-    # Versions behind the weights this step trains against, from each sample's oldest token.
-    staleness = [group_staleness([s], c.publisher.version) for s in samples if s.weight_versions]
+    return RolloutResult(samples, num_failed, metrics, taken, time.perf_counter() - t0)
+
+
+def advantage_stage(
+    c: Components,
+    result: RolloutResult,
+    *,
+    rollout: RolloutConfig,
+    algorithm: AlgorithmConfig,
+    objective: PolicyObjective,
+    plugins: Mapping[str, Callable[..., object]] | None = None,
+) -> AdvantageResult:
+    """The advantage stage: rewards shaped (overlong penalty, post-process plugin), the train batch built (failed,
+    aborted and overlong-filtered samples untrained), the backend outputs the estimator needs computed
+    (``objective.advantage_outputs``), and the advantages and returns of the configured estimator (or plugin)."""
+    plugins = plugins or {}
+    samples = result.samples
+    scored = [s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples]
     scores = torch.tensor([s.reward if v else 0.0 for s, v in zip(samples, scored)], dtype=torch.float32)
-    rewards = shape_rewards(samples, scores, rollout=rollout, algorithm=algorithm)
+    rewards = shape_rewards(
+        samples, scores, rollout=rollout, algorithm=algorithm,
+        post_process=plugins.get("algorithm.reward_post_process_path"),
+    )  # fmt: skip
     # Valid = enters the group statistics of the advantages (see AdvantageInputs.valid): scored and with a
     # trainable token of its own, so that a sample of only tool tokens does not shift its siblings' advantages.
     valid = [v and t for v, t in zip(scored, has_trainable_tokens(samples))]
@@ -286,7 +413,9 @@ def run_step(
     advantage, kl = algorithm.advantage, algorithm.kl
     estimator = advantage.estimator
     if advantage.estimator_path:
-        estimator = load_plugin(advantage.estimator_path, key="algorithm.advantage.estimator_path")
+        estimator = plugins.get("algorithm.advantage.estimator_path") or load_plugin(
+            advantage.estimator_path, key="algorithm.advantage.estimator_path"
+        )
     kl_in_reward = kl is not None and kl.mode == "reward"
     outputs = objective.advantage_outputs(c.backend.available_outputs)
     if outputs:  # old/ref/teacher log-probs and critic values, as the estimator needs them
@@ -310,73 +439,101 @@ def run_step(
         kl_estimator=kl.estimator if kl is not None else "k3",  # read only when kl_coef_in_reward > 0
     )
     advantages, returns = compute_advantages(inputs, estimator=estimator, params=params)
-    batch = batch.replace(advantages=advantages, returns=returns)
+    return AdvantageResult(
+        batch=batch.replace(advantages=advantages, returns=returns),
+        scores=scores,
+        scored=scored,
+        rewards=rewards,
+        group_index=inputs.group_index,
+        valid=valid_t,
+    )
 
-    t1 = time.perf_counter()
-    train_metrics = _train_on(c.backend, batch, objective, rollout.steps_per_rollout)
-    t_train = time.perf_counter() - t1
 
-    t2 = time.perf_counter()
+def publish_stage(
+    c: Components, *, step: int, taken: Sequence[int], producer: RolloutProducer | None = None, drain: bool = False
+) -> tuple[int, dict[str, float]]:
+    """The publish stage: the step's prompts marked trained (producer), its in-flight groups drained first when
+    ``drain`` (one-step-off), the weights published as a new version, and the producer told the step is done.
+
+    Returns: (the new weight version, {time/sync, time/drain when draining, the publisher's metrics}).
+    Raises: what the publish raises (``WeightUpdateError``, ...).
+    """
+    t0 = time.perf_counter()
     if producer is not None:
-        producer.prompts.mark_trained(taken)
+        producer.prompts.mark_trained(list(taken))
         if drain:
             producer.drain()
-    t_drain = time.perf_counter() - t2
+    t_drain = time.perf_counter() - t0
     version = c.publisher.publish()
-    t_sync = time.perf_counter() - t2 - t_drain
-    push_metrics = getattr(c.publisher, "metrics", dict)()  # not part of WeightPublisher: optional
+    metrics = {"time/sync": time.perf_counter() - t0 - t_drain, **({"time/drain": t_drain} if drain else {})}
+    metrics.update(getattr(c.publisher, "metrics", dict)())  # not part of WeightPublisher: optional
     if producer is not None:
         producer.step_done(step + 1)
+    return version, metrics
 
+
+def step_metrics(
+    *,
+    step: int,
+    result: RolloutResult,
+    advantages: AdvantageResult,
+    rollout: RolloutConfig,
+    algorithm: AlgorithmConfig,
+    trained_version: int,
+) -> dict[str, float]:
+    """The rollout's metrics of one step (rewards, lengths, failures and outcomes, signal, staleness against
+    ``trained_version``, the weights the step trained against, advantages), with the no-signal warning logged
+    once when no group has signal."""
+    samples, scores, scored = result.samples, advantages.scores, advantages.scored
     metrics = rollout_metrics(samples, scores[torch.tensor(scored)])
-    metrics.update(filter_metrics)
-    metrics.update(push_metrics)
+    metrics.update(result.metrics)
     metrics.update(failure_counts(samples))
     metrics.update(outcome_counts(samples))
-    metrics["groups/no_signal_ratio"] = no_signal_ratio(rewards, inputs.group_index, valid_t)
+    valid = advantages.valid
+    metrics["groups/no_signal_ratio"] = no_signal_ratio(advantages.rewards, advantages.group_index, valid)
+    advantage = algorithm.advantage
     entry = ESTIMATORS[advantage.estimator]  # a teacher or a critic gives advantages without reward differences
     from_rewards = advantage.estimator_path or not (entry.critic or "teacher_log_probs" in entry.needs)
     if metrics["groups/no_signal_ratio"] == 1.0 and from_rewards:
-        warning = no_signal_warning(scores[valid_t], n_samples_per_prompt=rollout.n_samples_per_prompt)
-        warn_once(logger, warning, step + 1, int(inputs.group_index.unique().numel()), metrics["reward/mean"])
-    num_response_tokens = sum(s.response_length for s in samples)
-    num_tokens = sum(len(s.tokens) for s in samples)
-    metrics.update(train_metrics)
+        warning = no_signal_warning(scores[valid], n_samples_per_prompt=rollout.n_samples_per_prompt)
+        warn_once(logger, warning, step + 1, int(advantages.group_index.unique().numel()), metrics["reward/mean"])
+    # Versions behind the weights this step trained against, from each sample's oldest token.
+    staleness = [group_staleness([s], trained_version) for s in samples if s.weight_versions and s.response_length]
+    batch = advantages.batch
     metrics.update(
         {
-            "advantages/mean": float(advantages[batch.loss_mask].mean()) if batch.num_loss_tokens else 0.0,
-            "samples/failed": float(num_failed),
-            "weight_version": float(version),
-            "time/rollout": t_rollout,
-            "time/train": t_train,
-            "time/sync": t_sync,
+            "advantages/mean": float(batch.advantages[batch.loss_mask].mean()) if batch.num_loss_tokens else 0.0,
+            "samples/failed": float(result.num_failed),
             "staleness/mean": statistics.fmean(staleness) if staleness else 0.0,
             "staleness/max": float(max(staleness, default=0)),
-            "time/step": time.perf_counter() - t0,
-            **({"time/drain": t_drain} if drain else {}),
-            "throughput/rollout_tokens_per_s": num_response_tokens / max(t_rollout, 1e-9),
-            "throughput/train_tokens_per_s": num_tokens / max(t_train, 1e-9),
         }
     )
     return metrics
 
 
 def collect_samples(
-    c: Components, *, step: int, rollout: RolloutConfig, algorithm: AlgorithmConfig
+    c: Components,
+    *,
+    step: int,
+    rollout: RolloutConfig,
+    algorithm: AlgorithmConfig,
+    group_filter: Callable[..., object] | None = None,
 ) -> tuple[list[Sample], int, dict[str, float]]:
     """Generate and score ``rollout_batch_size`` groups; with dynamic sampling, keep only groups that pass the
     filter (default: rewards not all equal) and generate more, for at most ``dynamic_sampling.max_rounds`` rounds.
 
     Samples come in prompt order, numbered by position (``miles.core.buffer.collect_groups``), and each is sampled
-    with the seed of its position in its round, whatever order the groups complete in.
+    with the seed of its position in its round, whatever order the groups complete in. ``group_filter`` is the
+    loaded ``algorithm.dynamic_sampling.filter_path`` plugin (loaded here when None and the path is set).
     Returns: (samples, number of failed samples (ABORTED ones are not), filter metrics:
         dynamic_sampling/{rounds, filtered_groups}).
     Raises: RuntimeError naming the counts when dynamic sampling cannot fill the batch in its rounds.
     """
     dynamic = algorithm.dynamic_sampling
-    group_filter = _keeps_signal
-    if dynamic is not None and dynamic.filter_path:
-        group_filter = load_plugin(dynamic.filter_path, key="algorithm.dynamic_sampling.filter_path")
+    if group_filter is None:
+        group_filter = _keeps_signal
+        if dynamic is not None and dynamic.filter_path:
+            group_filter = load_plugin(dynamic.filter_path, key=_DS_FILTER_KEY)
     num_rounds = dynamic.max_rounds if dynamic is not None else 1
     kept: list[list[Sample]] = []
     num_failed = num_filtered = 0
@@ -444,12 +601,14 @@ def _keep(result: bool | tuple[bool, str]) -> tuple[bool, str]:
     )
 
 
-def _buffer_filter(samples: list[Sample], path: str, metrics: dict[str, float]) -> tuple[list[Sample], int]:
-    """The samples of the groups ``algorithm.buffer_filter_path`` keeps, renumbered 0..; (samples, failed count).
-    Adds ``buffer/filtered_groups`` to ``metrics``.
+def _buffer_filter(
+    samples: list[Sample], path: str, metrics: dict[str, float], *, plugin: Callable[..., object] | None = None
+) -> tuple[list[Sample], int]:
+    """The samples of the groups ``algorithm.buffer_filter_path`` (``plugin``, its loaded callable, or loaded
+    here) keeps, renumbered 0..; (samples, failed count). Adds ``buffer/filtered_groups`` to ``metrics``.
 
     Raises: ValueError naming the key when it returns no group or a group it was not given."""
-    buffer_filter = load_plugin(path, key="algorithm.buffer_filter_path")
+    buffer_filter = plugin or load_plugin(path, key="algorithm.buffer_filter_path")
     given = group_samples(samples)
     kept = buffer_filter(given)
     known = {id(g) for g in given}
@@ -472,9 +631,15 @@ def _keeps_signal(group: Sequence[Sample]) -> bool:
 
 
 def shape_rewards(
-    samples: Sequence[Sample], scores: torch.Tensor, *, rollout: RolloutConfig, algorithm: AlgorithmConfig
+    samples: Sequence[Sample],
+    scores: torch.Tensor,
+    *,
+    rollout: RolloutConfig,
+    algorithm: AlgorithmConfig,
+    post_process: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Scores [B] float32 -> rewards [B] float32: DAPO overlong penalty, then the reward post-process plugin."""
+    """Scores [B] float32 -> rewards [B] float32: DAPO overlong penalty, then the reward post-process plugin
+    (``post_process``, its loaded callable, or loaded here from ``algorithm.reward_post_process_path``)."""
     rewards, overlong = scores, algorithm.overlong
     if overlong.buffer_len:
         lengths = torch.tensor([s.response_length for s in samples], dtype=torch.int64)
@@ -485,16 +650,18 @@ def shape_rewards(
             factor=overlong.penalty_factor,
         )
     if algorithm.reward_post_process_path:
-        post_process = load_plugin(algorithm.reward_post_process_path, key="algorithm.reward_post_process_path")
+        if post_process is None:
+            post_process = load_plugin(algorithm.reward_post_process_path, key="algorithm.reward_post_process_path")
         rewards = post_process(list(samples), rewards)
     return rewards
 
 
-def _train_on(
+def train_stage(
     backend: TrainBackend, batch: TrainBatch, objective: PolicyObjective, steps_per_rollout: int
 ) -> dict[str, float]:
-    """Split the rollout into ``steps_per_rollout`` optimizer steps; average their metrics (the max of
-    ``objective.max_metrics``)."""
+    """The train stage: the outputs the objective needs (reference log-probs; old log-probs for several optimizer
+    steps) computed once, then ``steps_per_rollout`` optimizer steps on equal slices of the batch; their metrics
+    averaged (the max of ``objective.max_metrics``)."""
     outputs = {name for name in objective.train_outputs if getattr(batch, name) is None}
     if steps_per_rollout > 1 and batch.old_log_probs is None:
         # Several optimizer steps per rollout: the PPO denominator must be the pre-update policy.
