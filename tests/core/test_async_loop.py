@@ -36,8 +36,19 @@ class VersionedGroups:
         ]  # fmt: skip
 
 
+def test_a_sample_aborted_before_its_first_token_makes_its_group_no_staler():
+    """Regression: the embedded engine reports version 0 for a request aborted before its first token, which made
+    the group look as stale as the trainer's version (dropped and generated again, staleness/max inflated)."""
+    aborted = Sample(0, 0, "p", weight_versions=[0], response_length=0, status=SampleStatus.ABORTED)
+    assert group_staleness([aborted, Sample(1, 0, "p", weight_versions=[3], response_length=2)], 3) == 0
+    assert group_staleness([aborted], 3) == 0
+
+
 def test_group_staleness_counts_from_the_oldest_segment_of_any_sample():
-    group = [Sample(0, 0, "p", weight_versions=[3]), Sample(1, 0, "p", weight_versions=[1, 4])]
+    group = [
+        Sample(0, 0, "p", weight_versions=[3], response_length=2),
+        Sample(1, 0, "p", weight_versions=[1, 4], response_length=5),
+    ]
     assert group_staleness(group, 5) == 4
     assert group_staleness([Sample(0, 0, "p")], 5) == 0  # nothing generated (failed before sampling)
 
@@ -163,6 +174,17 @@ def _run(tiny_llama_dir, loop: LoopConfig, *, max_resubmits=2):
         assert len(sample.tokens) == sample.prompt_length + sample.response_length
         assert len(sample.rollout_log_probs) == sample.response_length
         assert sample.loss_mask is None or len(sample.loss_mask) == sample.response_length
+        # The embedded engine says which version sampled each token: all of them, within the sample's versions.
+        assert len(sample.token_versions) == sample.response_length
+        assert set(sample.token_versions) <= set(sample.weight_versions)
+        if sample.response_length:
+            assert sample.token_versions[0] == sample.weight_versions[0]
+            assert sample.token_versions[-1] == sample.weight_versions[-1]
+        if loop.mask_stale_segments:  # trained exactly where the newest version sampled
+            newest = sample.weight_versions[-1]
+            assert (sample.loss_mask or [1] * sample.response_length) == [
+                int(v == newest) for v in sample.token_versions
+            ]
     return sink.rows, backend.full_state_dict(), queue.trained, seen
 
 

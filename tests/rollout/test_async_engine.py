@@ -200,7 +200,22 @@ def test_a_partial_rollout_trains_its_older_segments_only_when_asked(mask):
     )  # fmt: skip
     assert len(sample.tokens) == 3 + 5 and sample.response_length == len(sample.rollout_log_probs) == 5
     assert sample.weight_versions == [1, 2] and sample.status == SampleStatus.COMPLETED
+    assert sample.token_versions == [1, 1, 1, 2, 2]  # where the weights changed, kept on the sample
     assert sample.loss_mask == ([0, 0, 0, 1, 1] if mask else None)
+
+
+def test_a_server_engine_s_continued_request_has_versions_but_no_token_versions():
+    class ServerLikeEngine:  # vLLM / SGLang: the versions of a continued request, not where they changed
+        async def generate(self, request):
+            return GenerateOutput([5, 6, 7, 2], [-0.5] * 4, "stop", weight_versions=[1, 2])
+
+    prompt = Sample(index=0, group_index=0, prompt=[1, 4, 9])
+    (sample,) = asyncio.run(
+        generate_group(ServerLikeEngine(), None, prompt, n=1, sampling=SamplingConfig(), seeds=[0],
+                       mask_stale_segments=True)
+    )  # fmt: skip
+    assert sample.weight_versions == [1, 2] and sample.token_versions is None
+    assert sample.loss_mask is None  # nothing to mask by: every token is trained
 
 
 @pytest.mark.parametrize("new_weights", [pytest.param(False, id="same_weights"), pytest.param(True, id="updated")])

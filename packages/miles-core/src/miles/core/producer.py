@@ -44,8 +44,9 @@ STEP_SEED_STRIDE = 1_000_003  # the synchronous loop's step seed: rollout.seed +
 
 def group_staleness(group: Sequence[Sample], version: int) -> int:
     """``version`` minus the oldest weight version any token of the group came from (0 for a group without
-    generated tokens, e.g. all FAILED before sampling)."""
-    versions = [v for s in group for v in s.weight_versions]
+    generated tokens, e.g. all FAILED before sampling). A sample without a response token counts for nothing: the
+    version an engine reports for a request aborted before its first token says nothing about any token."""
+    versions = [v for s in group if s.response_length > 0 for v in s.weight_versions]
     return version - min(versions) if versions else 0
 
 

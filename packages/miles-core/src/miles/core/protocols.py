@@ -73,6 +73,17 @@ class GenerateOutput:
         else:
             self.weight_versions = [self.weight_version]
 
+    def token_versions(self) -> list[int | None]:
+        """The weight version that sampled each response token (``len(response_tokens)`` entries): every token's
+        when one version sampled them all or ``segment_lengths`` says where each segment begins; None for each
+        token otherwise (server engines report the versions of a continued request, not where they changed)."""
+        num = len(self.response_tokens)
+        if len(set(self.weight_versions)) == 1:
+            return [self.weight_versions[0]] * num
+        if self.segment_lengths is None or sum(self.segment_lengths) != num:
+            return [None] * num
+        return [v for v, length in zip(self.weight_versions, self.segment_lengths) for _ in range(length)]
+
 
 PauseMode = Literal["abort", "retract", "keep"]
 

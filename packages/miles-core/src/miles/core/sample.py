@@ -45,6 +45,9 @@ class Sample:
         weight_versions: every weight version its tokens came from, one per generated segment, oldest first:
             one entry, or several for a partial rollout continued after a weight update (``pause("retract")``);
             staleness is measured from the oldest. Empty before generation.
+        token_versions: ``response_length`` entries: the weight version that sampled each response token, None
+            for a tool/environment token; None as a whole where no token's version is known (a server engine's
+            partial rollout: it reports the versions, not where they changed) and before generation.
         rollout_routed_experts: MoE experts chosen at rollout, for routing replay (R3); None for dense models.
         teacher_log_probs: per response token, from a teacher model (on-policy distillation); else None.
         response_text: the response decoded by the policy's tokenizer (special tokens skipped), what rewards
@@ -65,6 +68,7 @@ class Sample:
     status: SampleStatus = SampleStatus.PENDING
     weight_version: int = 0
     weight_versions: list[int] = field(default_factory=list)
+    token_versions: list[int | None] | None = None
     rollout_routed_experts: Any = None
     teacher_log_probs: list[float] | None = None
     response_text: str | None = None

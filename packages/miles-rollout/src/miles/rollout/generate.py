@@ -138,6 +138,11 @@ async def generate_group(
     return samples
 
 
+def known_versions(token_versions: list[int | None]) -> list[int | None] | None:
+    """``Sample.token_versions`` from per-token versions: None when no token's version is known."""
+    return token_versions if not token_versions or any(v is not None for v in token_versions) else None
+
+
 def _apply_output(sample: Sample, output: GenerateOutput, tokenizer: Any, *, mask_stale_segments: bool = False) -> None:
     """Append an engine output to a sample holding its prompt tokens; set status, versions, text and (with
     ``mask_stale_segments`` and several segments) a loss mask that trains only the newest segment."""
@@ -146,6 +151,7 @@ def _apply_output(sample: Sample, output: GenerateOutput, tokenizer: Any, *, mas
     sample.rollout_log_probs = list(output.log_probs)
     sample.weight_versions = list(output.weight_versions)
     sample.weight_version = output.weight_version
+    sample.token_versions = known_versions(output.token_versions())
     sample.rollout_routed_experts = output.routed_experts
     segments = output.segment_lengths
     if mask_stale_segments and segments is not None and len(segments) > 1:
@@ -157,7 +163,7 @@ def _apply_output(sample: Sample, output: GenerateOutput, tokenizer: Any, *, mas
     if failure is not None:  # counted in samples/failed, excluded from advantages and the loss
         # Drop the response so no NaN or misaligned log-prob reaches the batch (masked rows still hold it).
         sample.tokens, sample.response_length, sample.rollout_log_probs = sample.tokens[: sample.prompt_length], 0, []
-        sample.loss_mask = None
+        sample.loss_mask = sample.token_versions = None
         sample.status = SampleStatus.FAILED
         sample.metadata["failure"] = failure
     elif tokenizer is not None and output.response_tokens:  # token-only rollouts (tokenizer=None) have no text

@@ -19,7 +19,7 @@ from miles.core.buffer import sample_seed
 from miles.core.config import MultiTurnConfig, SamplingConfig
 from miles.core.protocols import Engine, GenerateOutput, GenerateRequest, GroupGenerateFn, RequestFailed
 from miles.core.sample import Sample, SampleStatus
-from miles.rollout.generate import engine_output_problem
+from miles.rollout.generate import engine_output_problem, known_versions
 from miles.rollout.generate_factory import GenerateContext
 from miles.rollout.tito import Trajectory, TurnRenderer
 from miles.rollout.tools import Tool, ToolCall, load_tools, parse_tool_calls, run_tool_call
@@ -226,6 +226,7 @@ def _fill(sample: Sample, trajectory: Trajectory, *, response_text: str, stop_re
     sample.tokens, sample.response_length = trajectory.tokens, trajectory.response_length
     sample.loss_mask, sample.rollout_log_probs = trajectory.loss_mask, trajectory.rollout_log_probs
     sample.weight_versions, sample.weight_version = trajectory.weight_versions, trajectory.weight_versions[-1]
+    sample.token_versions = known_versions(trajectory.token_versions)
     sample.rollout_routed_experts = trajectory.routed_experts
     sample.response_text = response_text
     sample.status = STOP_STATUS[stop_reason]
@@ -238,6 +239,7 @@ def _fail(sample: Sample, reason: str, prompt_tokens: list[int]) -> None:
     sample.status = SampleStatus.FAILED
     sample.metadata["failure"] = reason
     sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = list(prompt_tokens), 0, None, []
+    sample.token_versions = None
 
 
 def build_multi_turn(context: GenerateContext) -> GroupGenerateFn:

@@ -35,7 +35,7 @@ from miles.core.config import SamplingConfig
 from miles.core.logs import warn_once
 from miles.core.protocols import Engine, GenerateOutput, GenerateRequest, RequestFailed
 from miles.core.sample import Sample, SampleStatus
-from miles.rollout.generate import engine_output_problem
+from miles.rollout.generate import engine_output_problem, known_versions
 from miles.rollout.openai_chat import (
     ChatRequest,
     assistant_message,
@@ -277,6 +277,7 @@ class SessionServer:
         sample.tokens, sample.response_length = trajectory.tokens, trajectory.response_length
         sample.loss_mask, sample.rollout_log_probs = trajectory.loss_mask, trajectory.rollout_log_probs
         sample.weight_versions, sample.weight_version = trajectory.weight_versions, trajectory.weight_versions[-1]
+        sample.token_versions = known_versions(trajectory.token_versions)
         sample.rollout_routed_experts = trajectory.routed_experts
         sample.response_text = session.response_text
         sample.status = SESSION_STOP_STATUS[stop_reason]
@@ -441,6 +442,7 @@ def fail_sample(sample: Sample, reason: str, prompt_tokens: list[int]) -> None:
     sample.status = SampleStatus.FAILED
     sample.metadata["failure"] = reason
     sample.tokens, sample.response_length, sample.loss_mask, sample.rollout_log_probs = list(prompt_tokens), 0, None, []
+    sample.token_versions = None
 
 
 def _render(render: Callable[..., list[int]], messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:

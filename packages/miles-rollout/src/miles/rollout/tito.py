@@ -160,7 +160,7 @@ class Trajectory:
         self.response_tokens += tokens
         self.loss_mask += [1] * len(tokens)
         self.rollout_log_probs += [float(x) for x in log_probs]
-        self.token_versions += _token_versions(output)
+        self.token_versions += output.token_versions()
         self.weight_versions += output.weight_versions
         self.routed_experts = output.routed_experts
 
@@ -180,13 +180,3 @@ class Trajectory:
             return
         newest = max(known)
         self.loss_mask = [0 if v is not None and v < newest else m for m, v in zip(self.loss_mask, self.token_versions)]
-
-
-def _token_versions(output: GenerateOutput) -> list[int | None]:
-    """The weight version of each response token of one engine output (None where the engine does not say)."""
-    num = len(output.response_tokens)
-    if len(set(output.weight_versions)) == 1:
-        return [output.weight_versions[0]] * num
-    if output.segment_lengths is None:
-        return [None] * num
-    return [v for v, length in zip(output.weight_versions, output.segment_lengths) for _ in range(length)]
