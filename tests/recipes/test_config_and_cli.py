@@ -90,6 +90,11 @@ def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
             id="staleness_without_async",
         ),
         pytest.param(
+            ["--loop.mode", "fully_async", "--engine.type", "vllm", "--engine.pause-mode", "keep"],
+            r"engine.pause_mode is 'keep' but loop.mode fully_async pauses the engines with 'abort' .*partial-rollout",
+            id="engine_pause_mode_overridden_by_fully_async",
+        ),
+        pytest.param(
             ["--loop.mode", "one_step_off", "--algorithm.dynamic-sampling.max-rounds", "2"],
             r"loop.mode is 'one_step_off' but algorithm.dynamic_sampling is on",
             id="async_with_dynamic_sampling",

@@ -201,8 +201,9 @@ class RolloutConfig(_Section):
     max_resubmits: int = Field(
         2,
         ge=0,
-        description="A response cut off by a weight update (engine.pause_mode abort) is requested again from the "
-        "start, with the same seed, up to this many times; then it stays aborted (kept, not trained).",
+        description="A response cut off by a weight update (loop.mode fully_async without loop.partial_rollout, or "
+        "engine.pause_mode abort) is requested again from the start, with the same seed, up to this many times; "
+        "then it stays aborted (kept, not trained).",
     )
 
     @property

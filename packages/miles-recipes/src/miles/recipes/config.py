@@ -154,6 +154,14 @@ class MilesConfig(BaseModel):
                 "generates a whole step at once, and the asynchronous loops generate one prompt's group at a time. "
                 "Set --loop.mode sync, or give a group-generate factory with --rollout.generate-path."
             )
+        loop_pause = self.loop.pause_mode
+        engine_pause = getattr(self.engine, "pause_mode", None)
+        if loop_pause is not None and "pause_mode" in self.engine.model_fields_set and engine_pause != loop_pause:
+            raise ValueError(
+                f"engine.pause_mode is {engine_pause!r} but loop.mode fully_async pauses the engines with "
+                f"{loop_pause!r} at every weight update (loop.partial_rollout {self.loop.partial_rollout}: "
+                "true = retract, false = abort). Drop --engine.pause-mode, or set --loop.partial-rollout to choose."
+            )
 
     def _check_execution(self) -> None:
         """Refuse a trainer world size the execution mode cannot run, and Ray execution without a server engine."""
