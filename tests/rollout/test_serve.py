@@ -137,6 +137,25 @@ def test_the_answer_has_sglangs_shape_and_writes_non_finite_log_probs_as_null():
     assert "output_token_logprobs" not in length["meta_info"]
 
 
+def test_a_continued_request_keeps_every_version_and_segment_through_the_sglang_api():
+    """Regression: miles serve answered only the newest version of a request retracted across weight updates, so
+    the client saw [2] for tokens sampled by v1 and v2 (staleness undercounted, nothing to mask by)."""
+    from miles.rollout.engines.sglang_api import parse_generate_response
+
+    request = GenerateRequest([1, 5], SamplingConfig(max_new_tokens=5), request_id="r8")
+    continued = GenerateOutput([4, 4, 4, 6, 2], [-1.0] * 5, "stop", weight_versions=[1, 2], segment_lengths=[3, 2])
+    body = generate_response(continued, request, return_logprob=True, latency_s=0.1)
+    assert body["meta_info"]["weight_version"] == "2"  # SGLang's own key: the last version
+    parsed = parse_generate_response(body, request)
+    assert (parsed.weight_versions, parsed.segment_lengths) == ([1, 2], [3, 2])
+    assert parsed.token_versions() == [1, 1, 1, 2, 2]
+    body["meta_info"]["miles_segment_lengths"] = [3, 1]
+    with pytest.raises(ValueError, match=r"miles_segment_lengths \[3, 1\], which do not split its 5 tokens"):
+        parse_generate_response(body, request)
+    sglang_like = {**body, "meta_info": {k: v for k, v in body["meta_info"].items() if not k.startswith("miles_")}}
+    assert parse_generate_response(sglang_like, request).weight_versions == [2]  # real SGLang: the last only
+
+
 # -- the engine features behind /abort_request and /release_memory_occupation ---------------------
 def test_abort_ends_a_queued_request_at_once_with_nothing_sampled(tiny_llama_dir):
     engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2])

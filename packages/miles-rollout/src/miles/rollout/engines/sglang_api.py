@@ -153,8 +153,22 @@ def parse_generate_response(
         raise ValueError(f"{where} finished with 'stop' but has no tokens")
     try:
         version = parse_weight_version(meta.get("weight_version"))
+        versions = [version]
+        if isinstance(meta.get("miles_weight_versions"), list):  # miles serve: every segment's version
+            versions = [parse_weight_version(v) for v in meta["miles_weight_versions"]] or [version]
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+    segments = meta.get("miles_segment_lengths")
+    if segments is not None and (
+        not isinstance(segments, list)
+        or not all(_is_int(n) and n >= 0 for n in segments)
+        or len(segments) != len(versions)
+        or sum(segments) != len(tokens)
+    ):
+        raise ValueError(
+            f"{where} has miles_segment_lengths {segments!r}, which do not split its {len(tokens)} tokens over its "
+            f"{len(versions)} weight versions"
+        )
     routed = None
     if routed_experts_shape is not None:
         routed = decode_routed_experts(
@@ -169,7 +183,8 @@ def parse_generate_response(
         log_probs=[float(lp) for lp in log_probs],
         finish_reason=finish_reason,
         request_id=request.request_id,
-        weight_versions=[version],
+        weight_versions=versions,
+        segment_lengths=segments,
         routed_experts=routed,
     )
 
@@ -291,8 +306,13 @@ def generate_response(
         "completion_tokens": len(output.response_tokens),
         "cached_tokens": 0,  # no prefix cache
         "weight_version": str(output.weight_version),
+        # Miles' own keys (SGLang's clients ignore them): a request retracted and continued across weight updates
+        # spans several versions, and where each began; SGLang reports only the last version.
+        "miles_weight_versions": [str(v) for v in output.weight_versions],
         "e2e_latency": latency_s,
     }
+    if output.segment_lengths is not None:
+        meta["miles_segment_lengths"] = list(output.segment_lengths)
     if return_logprob:
         meta["output_token_logprobs"] = [
             [lp if math.isfinite(lp) else None, token, None]
