@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from miles.core.algorithms.objective import LossCounts, PolicyObjective
-from miles.core.batch import TrainBatch, split_micro_batches
+from miles.core.algorithms.objective import LossCounts, PolicyObjective, accumulate_policy_loss, reduce_policy_metrics
+from miles.core.batch import TrainBatch
 from miles.core.config import AlgorithmConfig, KLConfig, LossConfig, RolloutCorrectionConfig
 from miles.core.log_probs import model_response_log_probs
 from miles.train import FSDP2Backend, TrainConfig
@@ -27,11 +27,13 @@ class ReferenceBackend:
         self.micro_batch_size, self.temperature = micro_batch_size, temperature
 
     def forward_backward(self, batch: TrainBatch, objective: PolicyObjective, counts: LossCounts) -> dict:
-        trained, num_skipped = objective.select_rows(batch, world_size=1)
-        metrics_num_tokens = trained.num_loss_tokens if num_skipped else None
-        sums = {"loss": 0.0, objective.skipped_rows_metric: float(num_skipped)}
-        for mb in split_micro_batches(trained, self.micro_batch_size):
-            log_probs, entropy = model_response_log_probs(
+        sums = accumulate_policy_loss(
+            objective,
+            batch,
+            counts,
+            world_size=1,
+            micro_batch_size=self.micro_batch_size,
+            log_probs_fn=lambda mb: model_response_log_probs(
                 self.model,
                 mb.tokens,
                 mb.attention_mask,
@@ -39,13 +41,10 @@ class ReferenceBackend:
                 num_response_columns=mb.loss_mask.shape[1],
                 temperature=self.temperature,
                 with_entropy=True,
-            )
-            loss, metrics = objective.loss(mb, log_probs, entropy, counts, metrics_num_tokens=metrics_num_tokens)
-            loss.backward()
-            sums["loss"] += float(loss.detach())
-            for name, value in metrics.items():
-                sums[name] = float(objective.combine_metric(name, sums.get(name), float(value)))
-        return objective.finish_metrics(sums)
+            ),
+            backward=lambda loss, i, n: loss.backward(),
+        )
+        return reduce_policy_metrics(objective, sums, counts)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         return {name: p.grad for name, p in self.model.named_parameters() if p.grad is not None}
@@ -133,3 +132,28 @@ def test_gradients_are_those_of_the_loss_formula_written_out(tiny_llama_dir):
     loss.backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(reference.gradients()[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _shard_sums(objective, shard, counts):
+    """accumulate_policy_loss on one rank's shard, with log-probs a leaf tensor (no model needed)."""
+    log_probs_fn = lambda mb: (mb.rollout_log_probs.clone().requires_grad_(True), None)  # noqa: E731
+    return accumulate_policy_loss(
+        objective, shard, counts, world_size=2, micro_batch_size=2, log_probs_fn=log_probs_fn,
+        backward=lambda loss, i, n: loss.backward(),
+    )  # fmt: skip
+
+
+def test_a_rank_given_its_own_shard_s_counts_is_caught():
+    """Two ranks (all_reduce doubles the sums: equal shards): with the global counts the metrics reduce; with a
+    shard's own counts the loss would be scaled up by the number of ranks, and that is refused."""
+    objective = PolicyObjective(AlgorithmConfig(), max_new_tokens=8)
+    batch = make_batch()
+    shard = batch.slice(0, batch.batch_size // 2)
+    two_ranks = lambda totals, op: totals * 2 if op == "sum" else totals  # noqa: E731
+    global_counts = LossCounts(num_tokens=2 * shard.num_loss_tokens, num_sequences=batch.batch_size)
+    metrics = reduce_policy_metrics(objective, _shard_sums(objective, shard, global_counts), global_counts,
+                                    all_reduce=two_ranks)  # fmt: skip
+    assert "_rank_loss_tokens" not in metrics and torch.isfinite(torch.tensor(metrics["loss"]))
+    local = LossCounts.of(shard)
+    with pytest.raises(ValueError, match=r"a rank was given its own shard's counts; pass LossCounts.of\(global"):
+        reduce_policy_metrics(objective, _shard_sums(objective, shard, local), local, all_reduce=two_ranks)

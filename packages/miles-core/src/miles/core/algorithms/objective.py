@@ -14,14 +14,14 @@ depend on the micro-batch size or on how the batch is split over ranks.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 from miles.core.algorithms.importance import importance_weights, off_policy_sequence_mask
 from miles.core.algorithms.losses import LossParams, aggregate, policy_loss, value_loss, zero_masked
 from miles.core.algorithms.registry import BACKEND_OUTPUTS, get_estimator, get_policy_loss
-from miles.core.batch import TrainBatch
+from miles.core.batch import TrainBatch, split_micro_batches
 from miles.core.config import AlgorithmConfig, CriticConfig, uses_critic
 from miles.core.plugins import load_plugin
 from torch import Tensor
@@ -291,3 +291,80 @@ class PolicyObjective:
                 {"tis_clipfrac": outside.float(), "_is_weight": token_weights, "_is_weight_sq": token_weights**2}
             )
         return loss_mask, token_weights, values
+
+
+LOCAL_TOKENS_METRIC = "_rank_loss_tokens"  # each rank's trained tokens, summed over ranks to check the counts
+
+
+def accumulate_policy_loss(
+    objective: PolicyObjective,
+    batch: TrainBatch,
+    counts: LossCounts,
+    *,
+    world_size: int,
+    micro_batch_size: int,
+    log_probs_fn: Callable[[TrainBatch], tuple[Tensor, Tensor | None]],
+    backward: Callable[[Tensor, int, int], None],
+) -> dict[str, Tensor]:
+    """One rank's share of a backend's ``forward_backward``, the same for every backend: select the rows with a
+    gradient (``select_rows``), split them into micro-batches, and for each compute the policy's log-probs and
+    entropy (``log_probs_fn``: [b, t] float32 each, entropy None when not measured), the objective's loss against
+    the global ``counts``, and its gradient (``backward(loss, i, num_micro_batches)``: the backend's own scaling and
+    gradient-sync policy).
+
+    Returns: this rank's detached metric accumulations (scalar tensors; ``combine_metric``): loss, the skipped-rows
+        count, the objective's metrics, and ``LOCAL_TOKENS_METRIC`` (this rank's trained tokens) for
+        ``reduce_policy_metrics``'s counts check. A backend may add its own (a critic's) before reducing.
+    """
+    sums: dict[str, Tensor] = {LOCAL_TOKENS_METRIC: torch.tensor(float(batch.num_loss_tokens))}
+    trained, num_skipped = objective.select_rows(batch, world_size=world_size)
+    metrics_num_tokens = trained.num_loss_tokens if num_skipped else None
+    sums["loss"] = torch.zeros(())
+    sums[objective.skipped_rows_metric] = torch.tensor(float(num_skipped))
+    micro_batches = split_micro_batches(trained, micro_batch_size) if trained.batch_size else []
+    for i, mb in enumerate(micro_batches):
+        log_probs, entropy = log_probs_fn(mb)
+        loss, metrics = objective.loss(mb, log_probs, entropy, counts, metrics_num_tokens=metrics_num_tokens)
+        backward(loss, i, len(micro_batches))
+        for name, value in metrics.items():
+            sums[name] = objective.combine_metric(name, sums.get(name), value.detach())
+        sums["loss"] = sums["loss"] + loss.detach()
+    return sums
+
+
+def reduce_policy_metrics(
+    objective: PolicyObjective,
+    sums: dict[str, Tensor],
+    counts: LossCounts,
+    *,
+    all_reduce: Callable[[Tensor, str], Tensor] | None = None,
+) -> dict[str, float]:
+    """Reduce ``accumulate_policy_loss``'s accumulations over ranks (sum; max for ``objective.max_metrics``) and
+    finish them (``finish_metrics``); every rank must call it with the same metric names.
+
+    Args:
+        all_reduce: ``(float64 tensor, "sum" | "max") -> reduced tensor`` over the ranks (a collective); None = one
+            rank.
+    Returns: the global metrics (host floats).
+    Raises: ValueError when the ranks' trained tokens add up to more than ``counts.num_tokens``: a rank was given
+        its own batch's counts instead of the global batch's (``LossCounts.of(global batch)``), which scales its
+        loss and gradient up by the number of ranks.
+    """
+    reduced: dict[str, float] = {}
+    for op, names in (
+        ("sum", sorted(n for n in sums if n not in objective.max_metrics)),
+        ("max", sorted(n for n in sums if n in objective.max_metrics)),
+    ):
+        if names:  # the same names on every rank (select_rows gives each rank rows)
+            totals = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64) for n in names])
+            if all_reduce is not None:
+                totals = all_reduce(totals, op)
+            reduced.update(zip(names, totals.tolist()))  # host sync
+    total_tokens = reduced.pop(LOCAL_TOKENS_METRIC, 0.0)
+    if total_tokens > counts.num_tokens:
+        raise ValueError(
+            f"the ranks train {total_tokens:.0f} tokens but the loss counts say the global batch has "
+            f"{counts.num_tokens}: a rank was given its own shard's counts; pass LossCounts.of(global batch) to "
+            "every rank"
+        )
+    return objective.finish_metrics(reduced)

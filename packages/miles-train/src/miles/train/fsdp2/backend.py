@@ -13,7 +13,12 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from miles.core.algorithms.objective import LossCounts, PolicyObjective
+from miles.core.algorithms.objective import (
+    LossCounts,
+    PolicyObjective,
+    accumulate_policy_loss,
+    reduce_policy_metrics,
+)
 from miles.core.batch import TrainBatch, split_micro_batches
 from miles.core.log_probs import model_response_log_probs, packed_model_response_log_probs, warn_if_slow_bf16
 from miles.train.config import TrainConfig
@@ -185,38 +190,31 @@ class FSDP2Backend:
         ``counts`` are the denominators of the whole global batch (every rank's rows), so the accumulated gradient
         is the same for every micro-batch size and every split of the global batch over ranks. With a critic and
         a value objective, the critic's value-loss gradients accumulate too (on every row).
+        The micro-batch loop, the metric accumulation and their reduction are the objective's
+        (``accumulate_policy_loss``, ``reduce_policy_metrics``), shared by every backend.
         Returns: global metrics (loss, loss/pg, pg_clipfrac, ppo_kl, entropy, train_rollout_* ...; loss/value and
             value_clipfrac with a critic), reduced over ranks.
+        Raises: ValueError when ``counts`` are this rank's rather than the global batch's.
         """
-        trained, num_skipped = objective.select_rows(batch, world_size=self.world_size)
-        metrics_num_tokens = trained.num_loss_tokens if num_skipped else None
-        sums: dict[str, Tensor] = {
-            "loss": torch.zeros(()),
-            objective.skipped_rows_metric: torch.tensor(float(num_skipped)),
-        }
-        micro_batches = split_micro_batches(trained, self.train_cfg.micro_batch_size) if trained.batch_size else []
-        for i, mb in enumerate(micro_batches):
+
+        def backward(loss: Tensor, i: int, num_micro_batches: int) -> None:
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (not an unsharded world-size-1 model)
-                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once, at the end
-            log_probs, entropy = self._log_probs(self.model, mb, with_entropy=True)
-            loss, metrics = objective.loss(mb, log_probs, entropy, counts, metrics_num_tokens=metrics_num_tokens)
+                self.model.set_requires_gradient_sync(i == num_micro_batches - 1)  # reduce-scatter once, at the end
             # FSDP2 averages gradients over ranks; the loss already divides by global counts, so undo it.
             (loss * self.world_size).backward()
-            for name, value in metrics.items():
-                sums[name] = objective.combine_metric(name, sums.get(name), value.detach())
-            sums["loss"] = sums["loss"] + loss.detach()
+
+        sums = accumulate_policy_loss(
+            objective,
+            batch,
+            counts,
+            world_size=self.world_size,
+            micro_batch_size=self.train_cfg.micro_batch_size,
+            log_probs_fn=lambda mb: self._log_probs(self.model, mb, with_entropy=True),
+            backward=backward,
+        )
         if self.critic is not None and objective.value is not None:
             sums.update(self.critic.forward_backward(batch, objective.value, counts))
-        reduced: dict[str, float] = {}
-        for op, names in (
-            (dist.ReduceOp.SUM, sorted(n for n in sums if n not in objective.max_metrics)),
-            (dist.ReduceOp.MAX, sorted(n for n in sums if n in objective.max_metrics)),
-        ):
-            if names:  # the same names on every rank (select_rows gives each rank rows)
-                totals = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64) for n in names])
-                dist.all_reduce(totals, op=op)
-                reduced.update(zip(names, totals.tolist()))  # host sync
-        metrics = objective.finish_metrics(reduced)
+        metrics = reduce_policy_metrics(objective, sums, counts, all_reduce=_all_reduce)
         self._pending_loss = metrics["loss"]
         if "loss/value" in metrics:
             self.critic.pending_loss = metrics["loss/value"]  # global: every rank takes the same skip decision
@@ -360,6 +358,12 @@ class FSDP2Backend:
                 )
             self.critic.step = trainer_state["step"]
         self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]
+
+
+def _all_reduce(totals: Tensor, op: str) -> Tensor:
+    """``torch.distributed.all_reduce`` of ``totals`` over the default group: "sum" or "max"."""
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return totals
 
 
 def _pad_cols(values: Tensor, width: int) -> Tensor:
