@@ -108,6 +108,29 @@ def test_a_group_staler_than_the_bound_is_dropped_and_its_prompt_generated_again
         assert [(c[1], c[2]) for c in fn.calls if c[0] == 2] == [(c[1], v) for c in fn.calls[2:3] for v in (0, 3)]
 
 
+def test_a_dropped_group_s_prompt_can_be_given_up_for_a_new_one_with_its_seeds():
+    fn = VersionedGroups()
+    queue = PromptQueue(TokenPrompts())
+    with RolloutProducer(fn, queue, first_token_reward, rollout=ROLLOUT, max_weight_staleness=1,
+                         stale_groups="drop") as producer:  # fmt: skip
+        producer.take(0, version=0)
+        queue.mark_trained([0, 1])
+        producer.drain()  # groups 2, 3 (prompts 2, 3; step 1) generated on version 0
+        fn.version = 3
+        groups = producer.take(1, version=3)  # 3 stale > 1: given up
+        assert (producer.num_dropped, producer.num_discarded) == (2, 2)
+        assert [g[0].group_index for g in groups] == [4, 5]  # new prompts in their places ...
+        assert all(s.weight_versions == [3] for g in groups for s in g)  # ... on the new weights
+        # ... with the seeds of group numbers 2 and 3 (step 1, positions 0 and 1).
+        assert {c[0]: c[1] for c in fn.calls}[4] == {c[0]: c[1] for c in fn.calls}[2]
+        untrained = {p["group_index"] for p in queue.state_dict()["untrained"]}
+        assert not {2, 3} & untrained and {4, 5} <= untrained  # 2, 3 consumed: a resumed run does not serve them
+    with pytest.raises(ValueError, match="loop.stale_groups is 'skip'; choose regenerate or drop"):
+        RolloutProducer(fn, queue, first_token_reward, rollout=ROLLOUT, max_weight_staleness=1, stale_groups="skip")
+    with pytest.raises(ValueError, match="loop.stale_groups is 'drop' but loop.mode is 'sync'"):
+        LoopConfig(stale_groups="drop")
+
+
 def test_an_error_in_the_producer_reaches_the_trainer():
     async def broken(prompt, *, n, sampling, seeds, on_finished=None):
         raise KeyError("tool server down")

@@ -88,7 +88,10 @@ def _nested(flat: dict) -> dict:
     ray = {"address": None, "num_cpus": None, "log_to_driver": True, "namespace": None}
     ray |= {"trainer_cpus_per_rank": 1.0, "placement_strategy": "PACK", "max_trainer_restarts": 0}
     tree["execution"] = {"mode": "local", "ray": ray}  # execution.ray: added after the flat layout, at its defaults
-    async_defaults = {"max_weight_staleness": None, "partial_rollout": False, "mask_stale_segments": False}
+    async_defaults = {
+        "max_weight_staleness": None, "partial_rollout": False, "stale_groups": "regenerate",
+        "mask_stale_segments": False,
+    }  # fmt: skip
     tree["loop"] = {"mode": "sync", **async_defaults, **flat["loop"]}  # the async loops' fields, at their defaults
     tree["reward"] = {**flat["reward"], "workers": 0, "memory_limit_mib": None}  # the reward pool's, at defaults
     probe = {"tokens": 16, "max_abs_diff": None, "prompt": ProbeConfig().prompt}  # the weight probe: added later

@@ -530,6 +530,13 @@ class LoopConfig(_Section):
         "weights, keeping their earlier tokens (a sample then carries several weight_versions; staleness counts "
         "from the oldest). false: they are aborted and requested again from the start (rollout.max_resubmits).",
     )
+    stale_groups: Literal["regenerate", "drop"] = Field(
+        "regenerate",
+        description="fully_async only: a group still staler than loop.max_weight_staleness when the trainer takes it "
+        "is dropped (staleness/dropped_groups) and its prompt generated again on newer weights (regenerate: every "
+        "prompt is trained, some twice generated), or given up for good, a new prompt taking its place (drop: never "
+        "trained; also counted as staleness/discarded_groups).",
+    )
     mask_stale_segments: bool = Field(
         False,
         description="loop.partial_rollout only: train only the newest segment of a continued request; the tokens "
@@ -555,9 +562,13 @@ class LoopConfig(_Section):
     @model_validator(mode="after")
     def _check_async_settings(self) -> LoopConfig:
         if self.mode != "fully_async":
-            settings = (("max_weight_staleness", self.max_weight_staleness), ("partial_rollout", self.partial_rollout))
+            settings = (
+                ("max_weight_staleness", self.max_weight_staleness),
+                ("partial_rollout", self.partial_rollout),
+                ("stale_groups", self.stale_groups),
+            )
             for name, value in settings:
-                if value not in (None, False):
+                if value not in (None, False, "regenerate"):
                     raise ValueError(
                         f"loop.{name} is {value!r} but loop.mode is {self.mode!r}; it applies to fully_async only: set "
                         f"--loop.mode fully_async or drop --loop.{name.replace('_', '-')}"

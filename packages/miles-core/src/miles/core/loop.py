@@ -202,6 +202,7 @@ def train(
             rollout=rollout,
             max_weight_staleness=loop.staleness_bound,
             start_step=start_step,
+            stale_groups=loop.stale_groups,
         )
     objective = PolicyObjective(algorithm, max_new_tokens=rollout.max_response_tokens, critic=critic)
     run_eval = c.eval_fn or evaluate
@@ -364,11 +365,13 @@ def rollout_stage(
             c, step=step, rollout=rollout, algorithm=algorithm, group_filter=plugins.get(_DS_FILTER_KEY)
         )
     else:
-        dropped = producer.num_dropped
+        dropped, discarded = producer.num_dropped, producer.num_discarded
         groups = producer.take(step, c.publisher.version)
         samples = [s for group in groups for s in group]
         num_failed = sum(s.status == SampleStatus.FAILED for s in samples)
         metrics = {"staleness/dropped_groups": float(producer.num_dropped - dropped), **producer.stats()}
+        if producer.stale_groups == "drop":
+            metrics["staleness/discarded_groups"] = float(producer.num_discarded - discarded)
     taken = sorted({s.group_index for s in samples})  # consumed, whether the buffer filter keeps them or not
     if algorithm.buffer_filter_path:
         samples, num_failed = _buffer_filter(

@@ -135,7 +135,10 @@ class RolloutProducer:
         rollout: rollout_batch_size, n_samples_per_prompt, sampling and seed.
         max_weight_staleness: the bound; 0 generates nothing ahead.
         start_step: the first step this producer feeds (a resumed run's step).
-    Raises: ValueError if ``max_weight_staleness`` < 0.
+        stale_groups: what becomes of a group too stale when taken: "regenerate" its prompt (same group number and
+            seeds, newer weights) or "drop" it for good (its prompt is consumed, never trained; the next new prompt
+            takes its group number and seeds). Both count in ``num_dropped``; "drop" also in ``num_discarded``.
+    Raises: ValueError if ``max_weight_staleness`` < 0 or ``stale_groups`` is another value.
     """
 
     def __init__(
@@ -149,9 +152,13 @@ class RolloutProducer:
         start_step: int = 0,
         sample_hook: SampleHook | None = None,
         group_reward_fn: GroupRewardFn | None = None,
+        stale_groups: str = "regenerate",
     ) -> None:
         if max_weight_staleness < 0:
             raise ValueError(f"loop.max_weight_staleness is {max_weight_staleness}; it must be >= 0")
+        if stale_groups not in ("regenerate", "drop"):
+            raise ValueError(f"loop.stale_groups is {stale_groups!r}; choose regenerate or drop")
+        self.stale_groups = stale_groups
         self.generate_group, self.prompts, self.reward_fn = generate_group, prompts, reward_fn
         self.sample_hook, self.group_reward_fn = sample_hook, group_reward_fn
         self.rollout, self.max_weight_staleness = rollout, max_weight_staleness
@@ -159,7 +166,8 @@ class RolloutProducer:
         self._next_group = start_step * self._batch  # g of the next group to start
         self._steps_done = start_step  # steps trained and published: the gate opens step steps_done + bound
         self._ready: list[_Group] = []
-        self._redo: deque[tuple[int, Sample]] = deque()  # dropped groups, generated again before any new one
+        # Dropped groups, generated again before any new one: (group number, its prompt, or None for a new prompt).
+        self._redo: deque[tuple[int, Sample | None]] = deque()
         self._in_flight = 0
         self._error: BaseException | None = None
         self._closed = False
@@ -171,6 +179,7 @@ class RolloutProducer:
         self._idle_s = 0.0
         self._window_start = time.perf_counter()
         self.num_dropped = 0  # groups dropped as too stale over the run
+        self.num_discarded = 0  # of those, prompts given up for good (stale_groups "drop")
         self.close_timeout_s = 60.0  # how long close() lets groups in flight finish before abandoning them
 
     # -- trainer side -----------------------------------------------------------------------------
@@ -271,13 +280,19 @@ class RolloutProducer:
 
     def _drop(self, group: _Group, version: int) -> None:
         self.num_dropped += 1
-        self._redo.append((group.number, group.prompt))  # still untrained in the queue: a checkpoint keeps it
+        if self.stale_groups == "drop":  # consumed for good: a checkpoint does not serve it again
+            self.num_discarded += 1
+            self.prompts.mark_trained([group.prompt.group_index])
+            self._redo.append((group.number, None))  # the next new prompt takes its place and seeds
+        else:
+            self._redo.append((group.number, group.prompt))  # still untrained in the queue: a checkpoint keeps it
         logger.debug(
-            "group %d (prompt %d) dropped: staleness %d > loop.max_weight_staleness=%d; generating it again",
+            "group %d (prompt %d) dropped: staleness %d > loop.max_weight_staleness=%d; %s",
             group.number,
-            group.samples[0].group_index,
+            group.prompt.group_index,
             group_staleness(group.samples, version),
             self.max_weight_staleness,
+            "a new prompt takes its place" if self.stale_groups == "drop" else "generating it again",
         )
 
     def _raise_if_failed(self) -> None:
@@ -326,8 +341,10 @@ class RolloutProducer:
                             self._idle_s += time.perf_counter() - self._idle_since
                             self._idle_since = None
                         self._changed.notify_all()
-                prompts = self.prompts.next_prompts(len(starts)) if starts else []
-                for number, prompt in redo + list(zip(starts, prompts)):
+                new = [number for number, prompt in redo if prompt is None] + starts
+                drawn = iter(self.prompts.next_prompts(len(new)) if new else [])
+                jobs = [(number, prompt if prompt is not None else next(drawn)) for number, prompt in redo]
+                for number, prompt in jobs + list(zip(starts, drawn)):
                     task = asyncio.ensure_future(self._one(number, prompt))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
