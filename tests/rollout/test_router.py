@@ -112,6 +112,9 @@ def test_monitor_removes_a_killed_worker_and_adds_it_back_when_it_restarts_at_th
     assert monitor.check_once() == MonitorReport()  # still dead: nothing more to remove
 
     victim.start()  # same port: the restarted server has the same URL
+    # Local mode's monitor (readd False): a restarted server holds its initial weights, so it stays out.
+    local = WorkerMonitor(router, [s.url for s in servers], health_timeout_s=2.0, readd=False)
+    assert local.check_once() == MonitorReport() and router.workers() == [alive.url]
     assert monitor.check_once() == MonitorReport(added=(victim.url,))
     assert sorted(router.workers()) == sorted(s.url for s in servers)
     before = [_requests_served(s) for s in servers]

@@ -394,8 +394,11 @@ def _sglang(
                 from miles.rollout.engines.router import WorkerMonitor
 
                 router_url = _start_router(cfg, urls, log_dir, launched)
-                # Dead servers leave the router; a restarted one (same URL) comes back.
-                monitor = WorkerMonitor(launched.router, urls, interval_s=cfg.health_check_interval_s).start()
+                # Dead servers leave the router. A restarted one (same URL) stays out: it would serve its initial
+                # weights, and nothing here re-weights it (Ray mode's supervisor does).
+                monitor = WorkerMonitor(
+                    launched.router, urls, interval_s=cfg.health_check_interval_s, readd=False
+                ).start()
                 launched.closers.append(monitor.stop)
     except BaseException:
         launched.close()

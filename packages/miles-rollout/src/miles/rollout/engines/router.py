@@ -299,7 +299,9 @@ class WorkerMonitor:
     """Keeps the router's workers equal to the watched servers that answer ``/health``.
 
     Each check probes every watched URL: a registered one that does not answer 200 within ``health_timeout_s`` is
-    removed from the router; an unregistered one that answers is added (a server restarted at the same URL). Workers
+    removed from the router; an unregistered one that answers is added (a server restarted at the same URL), unless
+    ``readd`` is False: then it is only logged, once, since a server restarted behind Miles' back holds its initial
+    weights, not the run's (local mode cannot re-weight it; Ray mode's engine supervisor does). Workers
     the router has that are not watched are left alone. ``check_once`` runs one check (tests call it directly);
     ``start`` runs checks every ``interval_s`` seconds in a daemon thread until ``stop``.
 
@@ -311,12 +313,21 @@ class WorkerMonitor:
         urls: the servers to watch.
         interval_s: seconds between checks of the background thread.
         health_timeout_s: how long a probe waits; a worker that stalls longer counts as dead.
+        readd: add back a watched server that answers again (False: log it and leave it out).
     """
 
     def __init__(
-        self, router: SGLangRouter, urls: Iterable[str], *, interval_s: float = 10.0, health_timeout_s: float = 5.0
+        self,
+        router: SGLangRouter,
+        urls: Iterable[str],
+        *,
+        interval_s: float = 10.0,
+        health_timeout_s: float = 5.0,
+        readd: bool = True,
     ) -> None:
         self.router = router
+        self.readd = readd
+        self._left_out: set[str] = set()  # answering again but not added back (readd False), logged once
         self.urls = tuple(normalize_worker_url(url) for url in urls)
         self.interval_s = interval_s
         self.health_timeout_s = health_timeout_s
@@ -335,9 +346,18 @@ class WorkerMonitor:
                 if url in registered and not alive:
                     self.router.remove_worker(url)
                     removed.append(url)
-                elif url not in registered and alive:
+                elif url not in registered and alive and self.readd:
                     self.router.add_worker(url)
                     added.append(url)
+                elif url not in registered and alive and url not in self._left_out:
+                    self._left_out.add(url)
+                    logger.warning(
+                        "worker %s answers /health again but stays out of the router at %s: a restarted server holds "
+                        "its initial weights and execution.mode local cannot bring it to the run's; restart the run "
+                        "(--resume), or use execution.mode ray, whose supervisor restarts and re-weights servers",
+                        url,
+                        self.router.url,
+                    )
         for url in removed:
             logger.warning("worker %s does not answer /health: removed from the router at %s", url, self.router.url)
         for url in added:
