@@ -248,6 +248,7 @@ def test_fully_async_keeps_the_bound_and_trains_every_prompt_once(tiny_llama_dir
     assert all(r["staleness/max"] <= 2 for r in rows)
     assert [r["weight_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
     assert all(len(vs) == 1 for _, group in seen for vs in group)  # abort + resubmit: one version per sample
+    assert all(r["samples/multi_version"] == 0.0 for r in rows)  # nothing is continued in abort mode
     assert all("buffer/groups" in r and 0.0 <= r["engine/idle_fraction"] <= 1.0 for r in rows)
 
 

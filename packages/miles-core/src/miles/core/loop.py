@@ -507,6 +507,11 @@ def step_metrics(
         {
             "advantages/mean": float(batch.advantages[batch.loss_mask].mean()) if batch.num_loss_tokens else 0.0,
             "samples/failed": float(result.num_failed),
+            # Weight updates cutting into requests: responses requested again after an abort (their count), samples
+            # still ABORTED after their resubmits, and samples whose tokens span several versions (continued).
+            "samples/resubmits": float(sum(s.metadata.get("resubmits", 0) for s in samples)),
+            "samples/aborted": float(sum(s.status == SampleStatus.ABORTED for s in samples)),
+            "samples/multi_version": float(sum(len(set(s.weight_versions)) > 1 for s in samples)),
             "staleness/mean": statistics.fmean(staleness) if staleness else 0.0,
             "staleness/max": float(max(staleness, default=0)),
         }
