@@ -90,6 +90,20 @@ def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
             id="staleness_without_async",
         ),
         pytest.param(
+            ["--engine.pause-mode", "abort"],
+            r"engine.pause_mode \[--engine.pause-mode\]: unknown key; valid keys here: .* \(it belongs to engine.type "
+            r"vllm, sglang; this engine is 'embedded'\)",
+            id="server_engine_key_on_the_embedded_engine",
+        ),
+        pytest.param(
+            ["--engine.probe.tokens", "0", "--engine.probe.max-abs-diff", "0.5"],
+            r"engine.probe.max_abs_diff is 0.5 but engine.probe.tokens is 0, which turns the probe off",
+            id="probe_tolerance_with_the_probe_off",
+        ),
+        pytest.param(
+            ["--engine.probe.max-abs-diff", "inf"], r"engine.probe.max_abs_diff", id="probe_tolerance_not_finite"
+        ),
+        pytest.param(
             ["--loop.mode", "fully_async", "--engine.type", "vllm", "--engine.pause-mode", "keep"],
             r"engine.pause_mode is 'keep' but loop.mode fully_async pauses the engines with 'abort' .*partial-rollout",
             id="engine_pause_mode_overridden_by_fully_async",

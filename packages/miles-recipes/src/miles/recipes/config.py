@@ -159,8 +159,8 @@ class MilesConfig(BaseModel):
         if loop_pause is not None and "pause_mode" in self.engine.model_fields_set and engine_pause != loop_pause:
             raise ValueError(
                 f"engine.pause_mode is {engine_pause!r} but loop.mode fully_async pauses the engines with "
-                f"{loop_pause!r} at every weight update (loop.partial_rollout {self.loop.partial_rollout}: "
-                "true = retract, false = abort). Drop --engine.pause-mode, or set --loop.partial-rollout to choose."
+                f"{loop_pause!r} at every weight update (abort, or retract with --loop.partial-rollout true); drop "
+                "--engine.pause-mode"
             )
 
     def _check_execution(self) -> None:

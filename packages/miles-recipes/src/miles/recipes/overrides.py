@@ -85,6 +85,7 @@ def format_validation_error(err: Any, model: type[BaseModel] | None = None) -> s
             message += f" (a key of the flat layout of an older Miles; it is now {RENAMED_KEYS[key]})"
         if e["type"] == "extra_forbidden" and section is not None:
             message += f"; valid keys here: {', '.join(section.model_fields)}"
+            message += _other_member_hint(model, parts, section)
         if e["type"] == "missing" and len(parts) > 1:  # a required key of an optional section that was turned on
             section_key = ".".join(parts[:-1])
             message += f" while {section_key} is on (or turn it off: --{section_key.replace('_', '-')} null)"
@@ -125,6 +126,20 @@ def _config_loc(model: type[BaseModel] | None, loc: tuple) -> tuple[list[str], t
         holder = owner if owner is not None else (candidates[0] if len(candidates) == 1 else None)
         candidates = _section_members(owner.model_fields[part].annotation) if owner is not None else []
     return parts, holder
+
+
+def _other_member_hint(model: type[BaseModel] | None, parts: list[str], section: type[BaseModel]) -> str:
+    """For an unknown key of one member of a union section (``engine``) that other members have: which ``type``
+    takes it (``engine.pause_mode`` on the embedded engine: "it belongs to engine.type vllm, sglang")."""
+    tag = _type_tag(section)
+    if model is None or tag is None or len(parts) != 2 or parts[0] not in model.model_fields:
+        return ""
+    members = _section_members(model.model_fields[parts[0]].annotation)
+    owners = [_type_tag(m) for m in members if parts[1] in m.model_fields and m is not section]
+    if not owners:
+        return ""
+    types = ", ".join(str(o) for o in owners)
+    return f" (it belongs to {parts[0]}.type {types}; this {parts[0]} is {tag!r})"
 
 
 def _type_tag(section: type[BaseModel]) -> str | None:

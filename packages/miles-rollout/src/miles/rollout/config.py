@@ -203,15 +203,25 @@ class ProbeConfig(_Section):
     max_abs_diff: float | None = Field(
         None,
         gt=0,
+        allow_inf_nan=False,
         description="Largest |engine - trainer| log-prob (nats) of a probe token before the update counts as failed "
         "(the run stops: the engine does not sample with the trainer's weights); null = 0.1 for an fp32 engine, 1.0 "
-        "for bf16 (fp32 engines agree to ~1e-5 here; a missed tensor moves log-probs by ~0.1 or more).",
+        "for bf16 (fp32 engines agree to ~1e-5 here; one damaged linear layer moved a tiny model's by 0.2-0.5).",
     )
     prompt: str = Field(
         "The quick brown fox jumps over the lazy dog. Counting on: one, two, three,",
         min_length=1,
         description="The probe prompt (tokenized as is, no chat template).",
     )
+
+    @model_validator(mode="after")
+    def _check_off(self) -> ProbeConfig:
+        if self.tokens == 0 and self.max_abs_diff is not None:
+            raise ValueError(
+                f"engine.probe.max_abs_diff is {self.max_abs_diff:g} but engine.probe.tokens is 0, which turns the "
+                "probe off: drop --engine.probe.max-abs-diff, or set --engine.probe.tokens 16"
+            )
+        return self
 
     def tolerance(self, engine_dtype: str) -> float:
         """``max_abs_diff``, or its default for an engine of ``engine_dtype`` ("fp32" / "bf16")."""
