@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import torch
 from miles.core.protocols import FinishReason, GenerateOutput, GenerateRequest, PauseMode, RequestFailed
+from miles.core.publisher import run_sync
 from miles.rollout.engines.server import ServerProcess, ServerStartError, free_port
 from miles.rollout.engines.sglang_api import parse_weight_version
 from miles.sync import WeightSender, WeightUpdateError
@@ -307,45 +308,30 @@ class VLLMEngine:
         return output
 
     def _post_all(self, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[httpx.Response]:
-        """POST to every server, concurrently; raises RuntimeError naming the server that answered an error."""
-        results: list[Any] = [None] * len(self.urls)
+        """``_apost_all`` for synchronous callers (the weight sinks)."""
+        return run_sync(self._apost_all(path, timeout_s=timeout_s, **kwargs))
 
-        def post(i: int, url: str) -> None:
-            try:
-                results[i] = httpx.post(url + path, timeout=timeout_s or self.request_timeout_s, **kwargs)
-            except httpx.HTTPError as err:
-                results[i] = err
-
-        threads = [threading.Thread(target=post, args=(i, url)) for i, url in enumerate(self.urls)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for url, result in zip(self.urls, results):
-            if isinstance(result, Exception):
-                raise RuntimeError(f"vLLM at {url}: POST {path} failed: {result!r}")
-            if result.status_code >= 400:
-                raise RuntimeError(f"vLLM at {url}: POST {path} answered {result.status_code}: {result.text[:300]}")
-        return results
-
-    async def _apost_all(self, path: str, **kwargs: Any) -> None:
-        """POST to every server at once, from the running event loop (engine control, a fresh connection each:
-        control calls are rare and may come from a loop other than the requests').
+    async def _apost_all(self, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[httpx.Response]:
+        """POST to every server at once and return their responses in ``urls`` order (a fresh connection each:
+        control calls are rare and may come from a loop other than the requests'). ``timeout_s`` defaults to
+        ``request_timeout_s``.
         Raises: RuntimeError naming the first server that failed or answered an error."""
-        async with httpx.AsyncClient(timeout=self.request_timeout_s, transport=self._transport) as client:
+        async with httpx.AsyncClient(timeout=timeout_s or self.request_timeout_s, transport=self._transport) as client:
 
-            async def post(url: str) -> str | None:
+            async def post(url: str) -> httpx.Response | str:
                 try:
                     response = await client.post(url + path, **kwargs)
                 except httpx.HTTPError as err:
                     return f"vLLM at {url}: POST {path} failed: {err!r}"
                 if response.status_code >= 400:
                     return f"vLLM at {url}: POST {path} answered {response.status_code}: {response.text[:300]}"
-                return None
+                return response
 
-            errors = [e for e in await asyncio.gather(*(post(url) for url in self.urls)) if e is not None]
+            results = await asyncio.gather(*(post(url) for url in self.urls))
+        errors = [r for r in results if isinstance(r, str)]
         if errors:
             raise RuntimeError(errors[0] + (f" (and {len(errors) - 1} more servers)" if len(errors) > 1 else ""))
+        return results  # type: ignore[return-value]
 
     async def pause(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
         """``Engine.pause`` on every server. Returns []: interrupted requests' partial outputs come back through
