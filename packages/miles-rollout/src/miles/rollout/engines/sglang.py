@@ -12,12 +12,16 @@ Field names and semantics were checked against sgl-project/sglang (``entrypoints
 (``backends/sglang_utils/sglang_engine.py``,
 ``backends/megatron_utils/update_weight/update_weight_from_distributed.py``,
 ``rollout/sglang_rollout.py``).
+``SGLangTensorWeightSink`` is the colocated path, ``/update_weights_from_tensor``: CUDA IPC handles instead of a
+broadcast (see its docstring for the sources).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
+import io
 import itertools
 import logging
 import sys
@@ -732,3 +736,157 @@ class SGLangDiskWeightSink:
             return str(response.json()["weight_version"]) if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
+
+
+def _serialize_for_ipc(named_tensors: list[tuple[str, Tensor]]) -> str:
+    """One ``serialized_named_tensors`` entry: the ``[(name, tensor), ...]`` list pickled by ``ForkingPickler``
+    (torch's reducers write each CUDA tensor's IPC handle, not its data) and base64-encoded, as SGLang's
+    ``MultiprocessingSerializer.serialize(obj, output_str=True)`` does. The device goes in as the GPU's UUID, as
+    SGLang's ``monkey_patch_torch_reductions`` writes it (the server maps it back to its own index), so the trainer
+    and the server may number the GPUs differently (another ``CUDA_VISIBLE_DEVICES``).
+
+    Args:
+        named_tensors: ``(name, tensor)`` pairs, contiguous CUDA tensors; the server maps them while it loads, so
+            they must stay alive until its answer.
+    Returns: the base64 text (ASCII) of the pickle.
+    Raises: ValueError (one line) naming the first tensor that is not on CUDA.
+    """
+    from multiprocessing.reduction import ForkingPickler  # the pickler torch.multiprocessing registers its reducers on
+
+    import torch
+    from torch.multiprocessing import reductions
+
+    for name, tensor in named_tensors:
+        if not tensor.is_cuda:
+            no_cuda = "" if torch.cuda.is_available() else "; this machine has no CUDA"
+            raise ValueError(
+                f"SGLangTensorWeightSink needs CUDA tensors, but {name!r} is on {tensor.device}{no_cuda}: "
+                "/update_weights_from_tensor passes CUDA IPC handles, so the trainer and SGLang must share the GPUs "
+                "(colocated); otherwise use --engine.weight-transfer group (/update_weights_from_distributed)"
+            )
+    for device in {tensor.device for _, tensor in named_tensors}:
+        torch.cuda.current_stream(device).synchronize()  # the server reads them on its own stream, in its process
+
+    def reduce_with_uuid(tensor: Tensor) -> tuple[Any, tuple[Any, ...]]:
+        rebuild, args = reductions.reduce_tensor(tensor)
+        if tensor.is_cuda and isinstance(args[6], int):  # rebuild_cuda_tensor's 7th argument is the device
+            args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
+        return rebuild, args
+
+    buffer = io.BytesIO()
+    pickler = ForkingPickler(buffer)
+    pickler.dispatch_table = {  # this pickler only: torch's process-wide reducers stay as they are
+        cls: reduce_with_uuid if reduce is reductions.reduce_tensor else reduce
+        for cls, reduce in pickler.dispatch_table.items()
+    }
+    pickler.dump(named_tensors)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class SGLangTensorWeightSink:
+    """The trainer side of SGLang's ``/update_weights_from_tensor``: ``push`` like ``miles.sync.WeightSender``, for
+    servers on the trainer's node that share its GPUs (colocated). No copy and no weight group: each request carries
+    CUDA IPC handles of the trainer's tensors, which every server maps and loads from.
+
+    Each bucket of at most ``bucket_bytes`` is one request per server (sent concurrently)::
+
+        {"serialized_named_tensors": [payload] * tp_size, "load_format": None, "flush_cache": False,
+         "abort_all_requests": False}
+
+    ``payload`` is the bucket's ``[(name, tensor), ...]`` list, pickled with the IPC handles and base64-encoded
+    (``_serialize_for_ipc``); SGLang's TP rank r deserializes entry r and loads the full tensors into its shard
+    (``model.load_weights``), so the same payload goes once per TP rank (``tp_size`` from ``/get_server_info``).
+    ``/update_weight_version`` sets the version once every bucket is loaded everywhere. ``load_format`` stays None
+    (a list of named tensors): slime's ``"flattened_bucket"`` pickles SGLang's own ``FlattenedTensorMetadata``
+    class, which needs SGLang installed on the trainer.
+    Checked against sgl-project/sglang: ``managers/io_struct.py`` (``UpdateWeightsFromTensorReqInput``:
+    serialized_named_tensors, load_format, flush_cache, abort_all_requests, weight_version),
+    ``managers/tp_worker.py::update_weights_from_tensor`` (``serialized_named_tensors[self.tp_rank]``),
+    ``entrypoints/engine.py::update_weights_from_tensor`` (one serialized copy per TP rank),
+    ``utils.py::MultiprocessingSerializer``, ``utils/patch_torch.py`` (device UUID), ``entrypoints/http_server.py``
+    (``{"success", "message"}``, 400 on failure); and THUDM/slime ``backends/sglang_utils/sglang_engine.py``
+    (``update_weights_from_tensor``, the HTTP body).
+
+    Args:
+        engine: the ``SGLangEngine`` whose ``worker_urls`` receive the weights.
+        bucket_bytes: tensor bytes per request (the tensors are not copied; this bounds what SGLang maps at once).
+        timeout_s: how long one request may take.
+
+    ``push`` raises ValueError for a CPU tensor (also on a machine without CUDA) before sending the bucket holding
+    it: the trainer and SGLang must share the GPUs; servers elsewhere take ``SGLangWeightSink``
+    (``--engine.weight-transfer group``).
+    A failed push raises ``WeightUpdateError``; the servers keep their version, but buckets loaded before the
+    failure stay loaded (SGLang's behavior), so push again before trusting their weights.
+    """
+
+    def __init__(self, engine: SGLangEngine, *, bucket_bytes: int = 512 * 2**20, timeout_s: float = 300.0) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes is {bucket_bytes}; it must be > 0 (512 * 2**20 is a good default)")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s is {timeout_s}; it must be > 0 (seconds one request may take)")
+        self.urls = list(engine.worker_urls)
+        self.bucket_bytes = bucket_bytes
+        self.version = 0
+        self.tp_sizes: dict[str, int] = {}  # asked once per server, on the first push
+        self._client = httpx.Client(timeout=timeout_s, transport=engine._transport)  # type: ignore[arg-type]
+
+    def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int | None = None) -> int:
+        """Send one complete update and return its version once every server loaded it and took the version.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs in HF names, CUDA tensors of any dtype (SGLang casts while
+                loading); read during the call only, and kept alive until the servers answered.
+            version: the update's version (> ``self.version``); default ``self.version + 1``.
+        Raises: ValueError for an old version, no tensors, or a tensor not on CUDA; WeightUpdateError (one line: the
+            server URL and its message) if a server failed or timed out.
+        """
+        if version is None:
+            version = self.version + 1
+        elif version <= self.version:
+            raise ValueError(f"push version {version} is not newer than this sink's v{self.version}")
+        start = time.perf_counter()
+        num_buckets, nbytes = 0, 0
+        for bucket in _buckets(named_tensors, self.bucket_bytes):
+            bucket = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
+            payload = _serialize_for_ipc(bucket)  # raises for CPU tensors, before this bucket's requests
+            if not self.tp_sizes:
+                self.tp_sizes = {url: self._tp_size(url) for url in self.urls}
+            self._post_all(version, "/update_weights_from_tensor", {url: {
+                "serialized_named_tensors": [payload] * self.tp_sizes[url],
+                "load_format": None,  # a list of (name, tensor)
+                "flush_cache": False,  # the publisher flushes once, after the whole update
+                "abort_all_requests": False,  # the publisher paused the servers
+            } for url in self.urls})  # fmt: skip
+            num_buckets += 1
+            nbytes += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        if num_buckets == 0:
+            raise ValueError("push got no tensors; pass the model's (name, tensor) pairs")
+        body = {"new_version": str(version), "abort_all_requests": False}  # SGLang's default would abort
+        self._post_all(version, "/update_weight_version", dict.fromkeys(self.urls, body))
+        self.version = version
+        logger.debug(  # per step
+            "pushed weights v%d to %d servers through CUDA IPC in %.2fs (%d buckets, %.1f MiB)",
+            version, len(self.urls), time.perf_counter() - start, num_buckets, nbytes / 2**20,
+        )  # fmt: skip
+        return version
+
+    def close(self) -> None:
+        """Close the HTTP connections."""
+        self._client.close()
+
+    def _post_all(self, version: int, path: str, bodies: dict[str, dict[str, Any]]) -> None:
+        """POST each server its body, all at once. Raises: WeightUpdateError naming the first server that failed."""
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            results = pool.map(lambda url: _post_for_result(self._client, url, path, bodies[url]), bodies)
+            errors = [error for error in results if error is not None]
+        if errors:
+            more = f" (and {len(errors) - 1} more servers)" if len(errors) > 1 else ""
+            raise WeightUpdateError(f"weight update v{version} failed: {' '.join(errors[0].split())}{more}")
+
+    def _tp_size(self, url: str) -> int:
+        """The server's tensor-parallel ranks (``/get_server_info`` ``tp_size``; 1 when it does not say)."""
+        try:
+            response = self._client.get(url + "/get_server_info")
+            return int(response.json().get("tp_size", 1)) if response.status_code == 200 else 1
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError):
+            return 1
