@@ -59,6 +59,32 @@ def test_two_steps_against_a_vllm_server_fed_through_disk_versions(tmp_path):
     assert (tmp_path / "disk" / "servers" / "vllm_0.log").read_text().count("miles: reloaded") == 2
 
 
+@pytest.mark.e2e
+@pytest.mark.vllm
+def test_fully_async_with_partial_rollouts_against_a_vllm_server(tmp_path):
+    """The async loop on a real server: the producer keeps vLLM busy while the trainer trains; each update pauses the
+    server in place (partial rollouts continue on the new weights), the staleness bound 1 holds on every step, and
+    eval runs on the version it reports."""
+    engine = ["--engine.type", "vllm", "--engine.python", vllm_python(), "--engine.max-model-len", "512"]
+    loop = ["--loop.mode", "fully_async", "--loop.partial-rollout", "true", "--loop.max-weight-staleness", "1"]
+    cmd = [
+        sys.executable, "-m", "miles.recipes.cli", "train", "--recipe", "smollm2_grpo_arithmetic", *SMALL_RUN,
+        "--run.dir", str(tmp_path), "--run.name", "async", *engine, *loop,
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["weight_version"] for r in rows[1:]] == [1.0, 2.0]
+    assert rows[1]["staleness/max"] == 0.0  # step 1 trains what v0 generated: nothing was published before it
+    assert all(0.0 <= r["staleness/max"] <= 1.0 for r in rows[1:])  # the bound, on every sample trained
+    assert all(r["samples/failed"] == 0 and "buffer/groups" in r for r in rows[1:])
+    assert all(r["sync/probe_logprob_max_abs_diff"] < 1e-2 for r in rows[1:])  # in-place updates landed
+    assert (rows[0]["eval/weight_version"], rows[2]["eval/weight_version"]) == (0.0, 2.0)
+    assert "Traceback" not in result.stderr
+    assert subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai"], capture_output=True).returncode == 1
+
+
 ROUTER = [
     "--engine.type", "sglang", "--engine.server", "miles", "--engine.num-servers", "2",
     "--engine.router", "true", "--engine.router-policy", "round_robin",
