@@ -81,8 +81,7 @@ def run_loop(model_dir, mode: str, staleness: int | None, steps: int) -> dict:
     sink = TimingSink()
     components = Components(
         data_source=Prompts(),
-        rollout_fn=chat,
-        generate_group=chat.generate_group,
+        generate_group=chat,
         reward_fn=_reward,
         backend=backend,
         publisher=EnginePublisher(backend, [engine], pause_mode=loop.pause_mode or "keep"),

@@ -4,6 +4,7 @@ engine, FSDP2, miles-sync in-process), compared with the sync loop."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ class VersionedGroups:
         self.version = 0
         self.calls = []
 
-    async def __call__(self, prompt, *, n, sampling, seeds, on_finished=None):
+    async def __call__(self, prompt, *, n, sampling, seeds):
         self.calls.append((prompt.group_index, list(seeds), self.version))
         await asyncio.sleep(0)
         return [
@@ -132,7 +133,7 @@ def test_a_dropped_group_s_prompt_can_be_given_up_for_a_new_one_with_its_seeds()
 
 
 def test_an_error_in_the_producer_reaches_the_trainer():
-    async def broken(prompt, *, n, sampling, seeds, on_finished=None):
+    async def broken(prompt, *, n, sampling, seeds):
         raise KeyError("tool server down")
 
     with RolloutProducer(broken, PromptQueue(TokenPrompts()), first_token_reward, rollout=ROLLOUT,
@@ -154,7 +155,11 @@ class RecordingQueue(PromptQueue):
         super().mark_trained(group_indices)
 
 
-def _run(tiny_llama_dir, loop: LoopConfig, *, max_resubmits=2):
+def _run(tiny_llama_dir, loop: LoopConfig, *, max_resubmits=2, cut_by_update=False):
+    """The tiny model's whole loop (4 prompts x 4 samples per step, up to 4 tokens); checks every sample's length and
+    version invariants. ``cut_by_update``: step 2's prompts start generating only once step 1 is taken, and the
+    engine then holds its second forward after that until the publisher's pause interrupts it, so the weight
+    update after step 1 is certain to cut into generation (rows holding 1 token of v0)."""
     from miles.rollout.engines import EmbeddedEngine
     from miles.rollout.generate import ChatRollout
     from miles.sync import InProcessTransport, WeightSender
@@ -173,9 +178,30 @@ def _run(tiny_llama_dir, loop: LoopConfig, *, max_resubmits=2):
     )
     seen = []  # (group_index, weight_versions of each sample) per generated group, in completion order
     samples = []
+    training = threading.Event()  # step 1's samples were taken: its training is next
+    hooks = []
+    if cut_by_update:
+
+        class StepOneTaken:
+            def on_rollout_end(self, step, step_samples):
+                training.set()
+
+        hooks.append(StepOneTaken())
+        forwards = []
+
+        def hold_until_paused(module, args):  # in the engine's worker thread
+            if training.is_set():
+                forwards.append(1)
+                deadline = time.monotonic() + 30
+                while len(forwards) == 2 and not engine._interrupt.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+
+        engine.model.lm_head.register_forward_pre_hook(hold_until_paused)
 
     async def generate_group(prompt, **kwargs):
-        group = await chat.generate_group(prompt, **kwargs)
+        while cut_by_update and prompt.group_index >= 4 and not training.is_set():
+            await asyncio.sleep(0.005)
+        group = await chat(prompt, **kwargs)
         seen.append((prompt.group_index, [s.weight_versions for s in group]))
         samples.extend(group)
         return group
@@ -184,12 +210,12 @@ def _run(tiny_llama_dir, loop: LoopConfig, *, max_resubmits=2):
     sink = ListSink()
     components = Components(
         data_source=queue,
-        rollout_fn=chat,
         generate_group=generate_group,
         reward_fn=first_token_reward,
         backend=backend,
         publisher=EnginePublisher(backend, [engine], pause_mode=loop.pause_mode or "keep"),
         sink=sink,
+        hooks=hooks,
     )
     rollout = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, sampling=SamplingConfig(max_new_tokens=4))
     train(components, loop=loop, rollout=rollout, algorithm=AlgorithmConfig(), evaluation=EvalConfig(num_prompts=0))
@@ -208,7 +234,7 @@ def _run(tiny_llama_dir, loop: LoopConfig, *, max_resubmits=2):
             assert (sample.loss_mask or [1] * sample.response_length) == [
                 int(v == newest) for v in sample.token_versions
             ]
-    return sink.rows, backend.full_state_dict(), queue.trained, seen
+    return sink.rows, backend.full_state_dict(), queue.trained, seen, samples
 
 
 @pytest.fixture(scope="module")
@@ -217,10 +243,10 @@ def sync_run(tiny_llama_dir):
 
 
 def test_fully_async_with_staleness_0_reproduces_the_sync_loop_exactly(tiny_llama_dir, sync_run):
-    rows, weights, trained, _ = _run(
+    rows, weights, trained, _, _ = _run(
         tiny_llama_dir, LoopConfig(mode="fully_async", max_weight_staleness=0, num_steps=3, save_interval=0)
     )
-    sync_rows, sync_weights, _, _ = sync_run
+    sync_rows, sync_weights, _, _, _ = sync_run
     for key in ("loss", "reward/mean", "grad_norm", "response_length/mean", "train_rollout_logprob_abs_diff"):
         assert [r[key] for r in rows] == [r[key] for r in sync_rows], key
     assert all(torch.equal(weights[k], sync_weights[k]) for k in weights)
@@ -229,7 +255,7 @@ def test_fully_async_with_staleness_0_reproduces_the_sync_loop_exactly(tiny_llam
 
 
 def test_one_step_off_trains_step_k_on_weights_k_minus_1(tiny_llama_dir):
-    rows, _, trained, seen = _run(tiny_llama_dir, LoopConfig(mode="one_step_off", num_steps=3, save_interval=0))
+    rows, _, trained, seen, _ = _run(tiny_llama_dir, LoopConfig(mode="one_step_off", num_steps=3, save_interval=0))
     versions = {g: {v for sample in vs for v in sample} for g, vs in seen}
     # Step 0 on v0; step 1's prompts (4..7) generated on v0 while step 0 trained; step 2's on v1; step 3's (the
     # producer runs one step ahead of the last) on v2.
@@ -240,7 +266,7 @@ def test_one_step_off_trains_step_k_on_weights_k_minus_1(tiny_llama_dir):
 
 
 def test_fully_async_keeps_the_bound_and_trains_every_prompt_once(tiny_llama_dir):
-    rows, _, trained, seen = _run(
+    rows, _, trained, seen, _ = _run(
         tiny_llama_dir, LoopConfig(mode="fully_async", max_weight_staleness=2, num_steps=4, save_interval=0)
     )
     flat = [g for step in trained for g in step]
@@ -257,10 +283,40 @@ def test_partial_rollouts_keep_the_bound_and_masks_aligned(tiny_llama_dir):
         mode="fully_async", max_weight_staleness=1, partial_rollout=True, mask_stale_segments=True, num_steps=3,
         save_interval=0,
     )  # fmt: skip
-    rows, _, trained, seen = _run(tiny_llama_dir, loop)
+    rows, _, trained, seen, _ = _run(tiny_llama_dir, loop)
     assert all(r["staleness/max"] <= 1 for r in rows)
     flat = [g for step in trained for g in step]
     assert len(flat) == len(set(flat)) == 12
+
+
+def test_an_update_that_cuts_into_generation_resubmits_it_from_scratch_on_the_new_weights(tiny_llama_dir):
+    loop = LoopConfig(mode="fully_async", max_weight_staleness=1, num_steps=2, save_interval=0)
+    rows, _, trained, _, samples = _run(tiny_llama_dir, loop, cut_by_update=True)
+    step_two = [s for s in samples if 4 <= s.group_index < 8]
+    assert trained == [[0, 1, 2, 3], [4, 5, 6, 7]] and len(step_two) == 16
+    # The pause aborted step 2's requests (the running ones with 1 token of v0, the queued ones with none); each was
+    # requested again from the start, and every token of every trained sample comes from v1.
+    # A resubmission that reaches the engine before the pause has finished is aborted with the queue again: 1 or 2
+    # resubmits (max_resubmits 2), never 0.
+    resubmits = [s.metadata.get("resubmits", 0) for s in step_two]
+    assert set(resubmits) <= {1, 2} and rows[1]["samples/resubmits"] == sum(resubmits)
+    assert rows[1]["samples/aborted"] == 0
+    assert all(s.weight_versions == [1] and s.token_versions == [1] * s.response_length for s in step_two)
+    assert rows[1]["staleness/max"] == 0.0 and rows[1]["samples/multi_version"] == 0.0
+
+
+def test_an_update_that_cuts_into_generation_continues_it_on_the_new_weights_with_partial_rollouts(tiny_llama_dir):
+    loop = LoopConfig(mode="fully_async", max_weight_staleness=1, partial_rollout=True, num_steps=2, save_interval=0)
+    rows, _, trained, _, samples = _run(tiny_llama_dir, loop, cut_by_update=True)
+    step_two = [s for s in samples if 4 <= s.group_index < 8]
+    assert trained == [[0, 1, 2, 3], [4, 5, 6, 7]] and len(step_two) == 16
+    # Retracted mid-generation: the rows that held tokens of v0 kept them and went on under v1.
+    continued = [s for s in step_two if s.weight_versions == [0, 1]]
+    assert continued and rows[1]["samples/multi_version"] == len(continued)
+    for s in continued:
+        k = s.token_versions.count(0)
+        assert k >= 1 and s.token_versions == [0] * k + [1] * (s.response_length - k)
+    assert rows[1]["staleness/max"] == 1.0 and rows[1]["samples/resubmits"] == 0.0
 
 
 def test_async_settings_outside_fully_async_are_one_clear_error():

@@ -1,9 +1,9 @@
-"""The bounded buffer of groups, the producer that fills it, per-sample seeds, and a batch RolloutFn as groups."""
+"""The bounded buffer of groups, the producer that fills it, per-sample seeds, and its synchronous form."""
 
 import asyncio
 
 import pytest
-from miles.core.buffer import GroupBuffer, RolloutGroups, collect_groups, produce_groups, sample_seed
+from miles.core.buffer import GroupBuffer, collect_groups, generate_samples, produce_groups, sample_seed
 from miles.core.config import SamplingConfig
 from miles.core.sample import Sample, SampleStatus
 
@@ -69,7 +69,14 @@ class DelayedGroups:
         self.delays = delays
         self.seeds = []
 
-    async def __call__(self, prompt, *, n, sampling, seeds, on_finished=None):
+    async def __call__(
+        self,
+        prompt,
+        *,
+        n,
+        sampling,
+        seeds,
+    ):
         self.seeds.append(list(seeds))
         await asyncio.sleep(self.delays[prompt.group_index])
         return [Sample(index=-1, group_index=prompt.group_index, prompt=prompt.prompt, tokens=[1, s % 97],
@@ -121,34 +128,32 @@ def test_the_producer_keeps_at_most_maxsize_groups_waiting_for_a_slow_consumer()
 
 
 def test_a_failing_group_function_raises_its_error_from_the_producer():
-    async def broken(prompt, *, n, sampling, seeds, on_finished=None):
+    async def broken(
+        prompt,
+        *,
+        n,
+        sampling,
+        seeds,
+    ):
         raise RuntimeError("engine died")
 
     with pytest.raises(RuntimeError, match="engine died"):
         asyncio.run(collect_groups(PROMPTS, broken, n_samples_per_prompt=2, sampling=SamplingConfig(), seed=0))
 
 
-class BatchRollout:
-    """A batch ``RolloutFn`` that records its calls; sample j of prompt p answers token 100 * p + j."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, prompts, *, n_samples_per_prompt, sampling, seed):
-        self.calls.append((len(prompts), seed))
-        return [Sample(index=0, group_index=p.group_index, prompt=p.prompt, tokens=[1, 100 * p.group_index + j],
-                       response_length=1, status=SampleStatus.COMPLETED)
-                for p in prompts for j in range(n_samples_per_prompt)]  # fmt: skip
+def test_generate_samples_is_the_step_flattened_with_progress_per_group_as_groups_complete():
+    generate = DelayedGroups(dict(zip(range(10, 14), [0.03, 0.0, 0.02, 0.01])))
+    done = []
+    samples = generate_samples(PROMPTS, generate, n_samples_per_prompt=2, sampling=SamplingConfig(), seed=7,
+                               on_group=done.append)  # fmt: skip
+    assert [s.index for s in samples] == list(range(8)) and [s.group_index for s in samples[::2]] == [10, 11, 12, 13]
+    assert [s.response_tokens[0] for s in samples] == [sample_seed(7, i) % 97 for i in range(8)]
+    assert done == [2, 2, 2, 2]
 
 
-def test_a_batch_rollout_function_is_called_once_per_step_with_every_prompt_and_the_step_seed():
-    rollout_fn = BatchRollout()
-    groups = asyncio.run(
-        collect_groups(
-            PROMPTS, RolloutGroups(rollout_fn, seed=9), n_samples_per_prompt=2, sampling=SamplingConfig(), seed=9
-        )
-    )
-    assert rollout_fn.calls == [(4, 9)]
-    assert [[s.response_tokens[0] for s in g] for g in groups] == [[1000, 1001], [1100, 1101], [1200, 1201],
-                                                                    [1300, 1301]]  # fmt: skip
-    assert [s.index for g in groups for s in g] == list(range(8))
+def test_generate_samples_refuses_to_run_inside_an_event_loop():
+    async def inside():
+        generate_samples(PROMPTS, DelayedGroups({}), n_samples_per_prompt=1, sampling=SamplingConfig(), seed=0)
+
+    with pytest.raises(RuntimeError, match="await collect_groups instead"):
+        asyncio.run(inside())

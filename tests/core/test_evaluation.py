@@ -71,8 +71,9 @@ def test_an_eval_set_whose_samples_all_fail_says_why_in_a_warning(caplog):
         publisher, progress, eval_prompts = None, None, []
         eval_sets = {"gsm8k": [Sample(index=0, group_index=0, prompt=[1])]}
 
-        def rollout_fn(self, prompts, *, n_samples_per_prompt, sampling, seed):
-            return _samples([[0.0] * n_samples_per_prompt])
+        @staticmethod
+        async def generate_group(prompt, *, n, sampling, seeds):
+            return _samples([[0.0] * n])
 
         def score(self, samples):
             for s in samples:

@@ -48,37 +48,35 @@ class Prompts:
 
 
 class ScriptedRollout:
-    """Each call answers every prompt with the next scripted group: (response tokens, finish status[, loss mask])
-    per sample."""
+    """A group-generate function: each prompt gets the next scripted group, (response tokens, finish status[, loss
+    mask]) per sample, in prompt order (the producer starts the prompts' calls in order). ``calls`` records the
+    group index of every call."""
 
     def __init__(self, groups):
         self.groups = iter(groups)
         self.calls = []
 
-    def __call__(self, prompts, *, n_samples_per_prompt, sampling, seed):
-        self.calls.append(len(prompts))
-        samples = []
-        for prompt in prompts:
-            for response, status, *loss_mask in next(self.groups):
-                samples.append(
-                    Sample(
-                        index=len(samples),
-                        group_index=prompt.group_index,
-                        prompt=prompt.prompt,
-                        tokens=[1, 3, *response],
-                        response_length=len(response),
-                        loss_mask=loss_mask[0] if loss_mask else None,
-                        rollout_log_probs=[-1.0] * len(response),
-                        status=status,
-                    )
-                )
-        return samples
+    async def __call__(self, prompt, *, n, sampling, seeds):
+        self.calls.append(prompt.group_index)
+        return [
+            Sample(
+                index=j,
+                group_index=prompt.group_index,
+                prompt=prompt.prompt,
+                tokens=[1, 3, *response],
+                response_length=len(response),
+                loss_mask=loss_mask[0] if loss_mask else None,
+                rollout_log_probs=[-1.0] * len(response),
+                status=status,
+            )
+            for j, (response, status, *loss_mask) in enumerate(next(self.groups))
+        ]
 
 
-def _components(rollout_fn, reward_fn):
+def _components(generate_group, reward_fn):
     return Components(
         data_source=Prompts(),
-        rollout_fn=rollout_fn,
+        generate_group=generate_group,
         reward_fn=reward_fn,
         backend=FakeBackend(),
         publisher=CountingPublisher(),
@@ -95,7 +93,7 @@ DONE = SampleStatus.COMPLETED
 
 def test_dynamic_sampling_without_any_signal_stops_after_exactly_the_round_bound(caplog):
     equal_groups = [[([0], DONE), ([0], DONE)], [([1], DONE), ([1], DONE)]] * 10
-    rollout_fn = ScriptedRollout(equal_groups)
+    scripted = ScriptedRollout(equal_groups)
     algorithm = AlgorithmConfig(dynamic_sampling=DynamicSamplingConfig(max_rounds=3))
     rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2)
     with (
@@ -104,21 +102,21 @@ def test_dynamic_sampling_without_any_signal_stops_after_exactly_the_round_bound
             DynamicSamplingExhausted, match=r"^step 1: .*kept 0 of .*max_rounds=3 generation rounds \(6 groups filtered"
         ),
     ):
-        run_step(_components(rollout_fn, reward_is_first_token), step=0, rollout=rollout, algorithm=algorithm)
-    assert rollout_fn.calls == [2, 2, 2]
+        run_step(_components(scripted, reward_is_first_token), step=0, rollout=rollout, algorithm=algorithm)
+    assert scripted.calls == [0, 1, 2, 3, 4, 5]  # 3 rounds of 2 new prompts
     assert "step 1: dynamic sampling kept 0 groups, filtered 6" in caplog.text  # numbered as the bar numbers it
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_and_over_samples_the_missing_ones():
     flat, mixed = [([1], DONE), ([1], DONE)], [([0], DONE), ([1], DONE)]
     # Round 1: [flat, mixed] keeps 1 group; round 2 asks ceil(1 * 2.0) = 2 prompts: [flat, mixed] fills the batch.
-    rollout_fn = ScriptedRollout([flat, mixed, flat, mixed])
-    c = _components(rollout_fn, reward_is_first_token)
+    scripted = ScriptedRollout([flat, mixed, flat, mixed])
+    c = _components(scripted, reward_is_first_token)
     algorithm = AlgorithmConfig(dynamic_sampling=DynamicSamplingConfig(over_sample=2.0))
     metrics = run_step(
         c, step=0, rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2), algorithm=algorithm
     )
-    assert rollout_fn.calls == [2, 2]
+    assert scripted.calls == [0, 1, 2, 3]  # 2 rounds of 2 new prompts
     assert metrics["dynamic_sampling/rounds"] == 2 and metrics["dynamic_sampling/filtered_groups"] == 2
     (batch,) = c.backend.batches
     assert batch.advantages[:, 0].tolist() == pytest.approx([-0.70711, 0.70711, -0.70711, 0.70711], abs=1e-5)
@@ -208,8 +206,8 @@ def test_an_overlong_filtered_sample_stays_in_its_group_statistics_but_a_tool_on
 
 
 def test_train_refuses_a_group_baseline_with_one_sample_per_prompt_before_generating():
-    rollout_fn = ScriptedRollout([])
-    c = _components(rollout_fn, reward_is_first_token)
+    scripted = ScriptedRollout([])
+    c = _components(scripted, reward_is_first_token)
     with pytest.raises(ValueError, match=r"rollout.n_samples_per_prompt is 1, but advantage 'rloo' needs at least 2"):
         train(
             c,
@@ -218,7 +216,7 @@ def test_train_refuses_a_group_baseline_with_one_sample_per_prompt_before_genera
             algorithm=AlgorithmConfig(advantage=AdvantageConfig(estimator="rloo")),
             evaluation=EvalConfig(num_prompts=0),
         )
-    assert rollout_fn.calls == []  # refused once, at the start: nothing was generated
+    assert scripted.calls == []  # refused once, at the start: nothing was generated
 
 
 def test_train_runs_one_sample_per_prompt_with_an_estimator_that_needs_no_group():

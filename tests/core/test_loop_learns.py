@@ -25,7 +25,7 @@ def test_grpo_raises_the_reward_of_a_tiny_random_model_on_a_toy_task(tiny_llama_
     sink = ListSink()
     components = Components(
         data_source=TokenPrompts(),
-        rollout_fn=ChatRollout(engine, tokenizer=None),
+        generate_group=ChatRollout(engine, tokenizer=None),
         reward_fn=first_token_reward,
         backend=backend,
         publisher=EnginePublisher(backend, [engine]),
@@ -58,7 +58,7 @@ def test_a_batch_where_every_reward_fails_stops_with_a_clear_message(tiny_llama_
 
     components = Components(
         data_source=TokenPrompts(),
-        rollout_fn=ChatRollout(engine, tokenizer=None),
+        generate_group=ChatRollout(engine, tokenizer=None),
         reward_fn=broken_reward,
         backend=None,
         publisher=None,
@@ -72,29 +72,3 @@ def test_a_batch_where_every_reward_fails_stops_with_a_clear_message(tiny_llama_
             algorithm=AlgorithmConfig(),
             evaluation=EvalConfig(num_prompts=0),
         )
-
-
-def test_training_rollouts_per_prompt_equal_the_batch_rollout_function(tiny_llama_dir):
-    """Components.generate_group (per prompt, through the producer and buffer) samples exactly what the batch form
-    of the same rollout (RolloutGroups over ChatRollout) samples: same seeds, same order."""
-    from miles.core.loop import collect_samples
-
-    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2])
-    chat = ChatRollout(engine, tokenizer=None)
-    rollout = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=4, sampling=SamplingConfig(max_new_tokens=6))
-    results = []
-    for generate_group in (chat.generate_group, None):
-        c = Components(
-            data_source=TokenPrompts(),
-            rollout_fn=chat,
-            reward_fn=first_token_reward,
-            backend=None,
-            publisher=None,
-            sink=ListSink(),
-            generate_group=generate_group,
-        )
-        samples, _, _ = collect_samples(c, step=2, rollout=rollout, algorithm=AlgorithmConfig())
-        results.append([(s.index, s.group_index, s.tokens, s.rollout_log_probs, s.status) for s in samples])
-    per_prompt, batched = results
-    assert len(per_prompt) == 12 and per_prompt == batched
-    assert len({tuple(tokens) for _, _, tokens, _, _ in per_prompt}) > 1  # the samples differ from one another

@@ -68,27 +68,25 @@ class Prompts:
 
 
 class ScriptedRollout:
-    """Each prompt gets the next scripted group: a list of (first response token, status); the reward is the token."""
+    """A group-generate function: each prompt gets the next scripted group (prompts start in order), a list of
+    (first response token, status); the reward is the token."""
 
     def __init__(self, groups):
         self.groups = iter(groups)
 
-    def __call__(self, prompts, *, n_samples_per_prompt, sampling, seed):
-        samples = []
-        for prompt in prompts:
-            for token, status in next(self.groups):
-                samples.append(
-                    Sample(
-                        index=len(samples),
-                        group_index=prompt.group_index,
-                        prompt=prompt.prompt,
-                        tokens=[1, 3, token],
-                        response_length=1,
-                        rollout_log_probs=[-1.0],
-                        status=status,
-                    )
-                )
-        return samples
+    async def __call__(self, prompt, *, n, sampling, seeds):
+        return [
+            Sample(
+                index=j,
+                group_index=prompt.group_index,
+                prompt=prompt.prompt,
+                tokens=[1, 3, token],
+                response_length=1,
+                rollout_log_probs=[-1.0],
+                status=status,
+            )
+            for j, (token, status) in enumerate(next(self.groups))
+        ]
 
 
 def test_a_run_whose_steps_have_no_reward_variance_warns_once_and_logs_the_ratio_every_step(caplog):
@@ -103,7 +101,7 @@ def test_a_run_whose_steps_have_no_reward_variance_warns_once_and_logs_the_ratio
     sink = ListSink()
     components = Components(
         data_source=Prompts(),
-        rollout_fn=ScriptedRollout([group for step in steps for group in step]),
+        generate_group=ScriptedRollout([group for step in steps for group in step]),
         reward_fn=lambda s: float(s.response_tokens[0]),
         backend=FakeBackend(),
         publisher=CountingPublisher(),
@@ -132,7 +130,7 @@ def test_a_step_with_signal_in_some_group_does_not_warn(caplog):
     sink = ListSink()
     components = Components(
         data_source=Prompts(),
-        rollout_fn=ScriptedRollout([[(0, DONE), (0, DONE)], [(0, DONE), (1, DONE)]]),
+        generate_group=ScriptedRollout([[(0, DONE), (0, DONE)], [(0, DONE), (1, DONE)]]),
         reward_fn=lambda s: float(s.response_tokens[0]),
         backend=FakeBackend(),
         publisher=CountingPublisher(),
@@ -196,7 +194,7 @@ def test_on_policy_distillation_is_not_warned_about_equal_rewards(caplog):
     backend = TeacherBackend()
     components = Components(
         data_source=Prompts(),
-        rollout_fn=ScriptedRollout([[(0, DONE), (0, DONE)], [(0, DONE), (0, DONE)]]),
+        generate_group=ScriptedRollout([[(0, DONE), (0, DONE)], [(0, DONE), (0, DONE)]]),
         reward_fn=lambda s: float(s.response_tokens[0]),
         backend=backend,
         publisher=CountingPublisher(),

@@ -86,7 +86,8 @@ def test_run_plugins_fail_at_start_up_with_one_line_naming_the_key(tmp_path, mon
 
 
 def test_the_examples_run_through_the_real_loop(tiny_smollm2_dir, tmp_path, examples_on_path):
-    """Sync loop, a rollout function, and every per-sample, per-group, algorithm, data, eval, hook and sink point."""
+    """Sync loop, a group-generate factory, and every per-sample, per-group, algorithm, data, eval, hook and sink
+    point."""
     cfg = resolve_config(
         "smollm2_grpo_arithmetic",
         [
@@ -96,7 +97,7 @@ def test_the_examples_run_through_the_real_loop(tiny_smollm2_dir, tmp_path, exam
             "--reward.type", "custom", "--reward.path", "rewards:answer_in_response",
             "--reward.group-path", "rewards:rank_in_group",
             "--rollout.sample-hook-path", "sample_hook:tag_answer",
-            "--rollout.rollout-path", "rollout_fn:build_rollout",
+            "--rollout.generate-path", "group_generate:build_generate",
             "--algorithm.reward-post-process-path", "algorithms:clip_rewards",
             "--algorithm.advantage.estimator-path", "algorithms:mean_baseline",
             "--algorithm.loss.policy-loss-path", "algorithms:plain_pg_loss",
@@ -121,7 +122,7 @@ def test_the_examples_run_through_the_real_loop(tiny_smollm2_dir, tmp_path, exam
     for e in rollouts:
         # A random model answers no sum: per-sample rewards 0, ranks in a group of 2 equal values = (0 + 1) / 2 / 1.
         assert e["rewards"] == [0.5] * 4
-        assert {"parsed_answer", "prompts_in_step"} <= set(e["metadata_keys"])  # the sample hook, the rollout fn
+        assert {"parsed_answer", "group_size"} <= set(e["metadata_keys"])  # the sample hook, the group function
     assert [(e["step"], Path(e["path"]).name) for e in events if e["event"] == "save"] == [
         (1, "step_1"),
         (2, "step_2"),

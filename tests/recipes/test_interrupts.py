@@ -50,9 +50,9 @@ from miles.rollout.generate import ChatRollout
 def build_generate(context):
     chat = ChatRollout(context.engine, context.tokenizer, max_prompt_tokens=context.max_prompt_tokens)
 
-    async def generate_group(prompt, *, n, sampling, seeds, on_finished=None):
+    async def generate_group(prompt, *, n, sampling, seeds):
         Path(os.environ["GENERATE_MARKER"]).touch()
-        return await chat.generate_group(prompt, n=n, sampling=sampling, seeds=seeds, on_finished=on_finished)
+        return await chat(prompt, n=n, sampling=sampling, seeds=seeds)
 
     return generate_group
 """

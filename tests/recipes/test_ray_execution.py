@@ -168,8 +168,9 @@ def _components(backend, data_source, *, version: int) -> Components:
 
     publisher = EnginePublisher(backend, [_Engine(version)], version=version)
     return Components(
-        data_source=data_source, rollout_fn=None, reward_fn=None, backend=backend, publisher=publisher, sink=NullSink()
-    )
+        data_source=data_source, generate_group=None, reward_fn=None, backend=backend, publisher=publisher,
+        sink=NullSink(),
+    )  # fmt: skip
 
 
 def test_a_trainer_restart_restores_the_newest_checkpoint_and_gives_the_engine_its_weights_at_its_version(tmp_path):

@@ -113,23 +113,19 @@ def test_resume_of_a_run_that_does_not_exist_is_a_clear_error(tmp_path, capsys):
 
 # -- epoch boundary, at the loop level (cheap stand-ins for the model-bound components) ------------------------
 class RecordingRollout:
-    """One 1-token response per sample; records which data row each prompt came from."""
+    """A group-generate function: one 1-token response per sample; records which data row each prompt came from
+    (in prompt order: the producer starts the prompts' calls in order)."""
 
     def __init__(self):
         self.rows = []
 
-    def __call__(self, prompts, *, n_samples_per_prompt, sampling, seed):
-        samples = []
-        for p in prompts:
-            self.rows.append(p.metadata["data_index"])
-            for k in range(n_samples_per_prompt):
-                samples.append(
-                    Sample(
-                        index=len(samples), group_index=p.group_index, prompt=p.prompt, tokens=[1, 3 + k],
-                        response_length=1, rollout_log_probs=[-1.0], status=SampleStatus.COMPLETED,
-                    )
-                )  # fmt: skip
-        return samples
+    async def __call__(self, prompt, *, n, sampling, seeds):
+        self.rows.append(prompt.metadata["data_index"])
+        return [
+            Sample(index=k, group_index=prompt.group_index, prompt=prompt.prompt, tokens=[1, 3 + k],
+                   response_length=1, rollout_log_probs=[-1.0], status=SampleStatus.COMPLETED)
+            for k in range(n)
+        ]  # fmt: skip
 
 
 def _epoch_run(data_file, checkpoints, *, num_steps, resume):
@@ -144,7 +140,7 @@ def _epoch_run(data_file, checkpoints, *, num_steps, resume):
         save_run_checkpoint(checkpoints, step, backend=backend, data_source=source, weight_version=pusher.version)
 
     components = Components(
-        data_source=source, rollout_fn=rollout, reward_fn=lambda s: float(s.tokens[-1] % 2), backend=backend,
+        data_source=source, generate_group=rollout, reward_fn=lambda s: float(s.tokens[-1] % 2), backend=backend,
         publisher=pusher, sink=NullSink(), save_checkpoint=save,
     )  # fmt: skip
     train(
@@ -210,7 +206,7 @@ def _async_run(data_file, checkpoints, *, num_steps, resume, stop_after=None):
         state = restore_run_checkpoint(read_latest(checkpoints), backend=backend, data_source=queue)
         start, pusher.version = state.step, state.weight_version
 
-    async def generate_group(prompt, *, n, sampling, seeds, on_finished=None):
+    async def generate_group(prompt, *, n, sampling, seeds):
         await asyncio.sleep(0.002 * (prompt.metadata["data_index"] % 7))
         return [
             Sample(index=k, group_index=prompt.group_index, prompt=prompt.prompt, tokens=[1, 3 + k],
@@ -233,7 +229,7 @@ def _async_run(data_file, checkpoints, *, num_steps, resume, stop_after=None):
     sink = NullSink()
     sink.log = count
     components = Components(
-        data_source=queue, rollout_fn=None, generate_group=generate_group, reward_fn=lambda s: float(s.tokens[-1] % 2),
+        data_source=queue, generate_group=generate_group, reward_fn=lambda s: float(s.tokens[-1] % 2),
         backend=backend, publisher=pusher, sink=sink, save_checkpoint=save, should_stop=should_stop,
     )  # fmt: skip
     done = train(

@@ -6,7 +6,7 @@ from miles.core.sample import Sample, SampleStatus
 def build_echo(context):
     """A factory whose function answers every prompt with its n samples of response [7], trained."""
 
-    async def echo(prompt, *, n, sampling, seeds, on_finished=None):
+    async def echo(prompt, *, n, sampling, seeds):
         return [
             Sample(index=j, group_index=prompt.group_index, prompt=prompt.prompt, tokens=[1, 7], response_length=1,
                    rollout_log_probs=[-0.5], status=SampleStatus.COMPLETED, metadata={"seed": seed})

@@ -8,13 +8,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from miles.core.buffer import sample_seed
+from miles.core.buffer import generate_samples, sample_seed
 from miles.core.config import RolloutConfig, SamplingConfig
 from miles.core.protocols import GenerateOutput
 from miles.core.sample import Sample, SampleStatus
 from miles.rollout.generate_factory import (
     GenerateContext,
-    GroupRollout,
     build_generate_fn,
     generate_factory_path,
     load_generate_factory,
@@ -73,13 +72,12 @@ def test_an_agent_path_selects_the_agent_factory_and_a_bad_one_fails_naming_the_
 def test_each_sample_is_one_session_its_agent_drives(tokenizer, agent, num_turns):
     engine = EchoEngine()
     generate_group = agent_rollout(agent, engine, tokenizer)
-    finished = []
-    samples = GroupRollout(generate_group)(
-        [Sample(index=0, group_index=7, prompt="What is 2 + 3?", label="5")], n_samples_per_prompt=2,
-        sampling=SamplingConfig(max_new_tokens=8), seed=3, on_finished=finished.append,
+    samples = generate_samples(
+        [Sample(index=0, group_index=7, prompt="What is 2 + 3?", label="5")], generate_group, n_samples_per_prompt=2,
+        sampling=SamplingConfig(max_new_tokens=8), seed=3,
     )  # fmt: skip
     assert [(s.index, s.group_index, s.label) for s in samples] == [(0, 7, "5"), (1, 7, "5")]
-    assert finished == [1, 1] and not sessions_running()  # the server stops with the last group
+    assert not sessions_running()  # the server stops with the last group
     assert sorted(r.seed for r in engine.requests) == sorted(
         sample_seed(sample_seed(3, j), k) for j in range(2) for k in range(num_turns)
     )
@@ -92,8 +90,8 @@ def test_each_sample_is_one_session_its_agent_drives(tokenizer, agent, num_turns
 def test_an_agent_that_raises_fails_only_its_sample_and_the_server_restarts_for_the_next_group(tokenizer):
     generate_group = agent_rollout("agent_plugins:raises", EchoEngine(), tokenizer)
     prompts = [Sample(index=0, group_index=0, prompt="Hi")]
-    for _ in range(2):  # each call its own event loop (as eval's GroupRollout): the server starts and stops each time
-        [sample] = GroupRollout(generate_group)(prompts, n_samples_per_prompt=1, sampling=SamplingConfig(), seed=0)
+    for _ in range(2):  # each call its own event loop (as eval's): the server starts and stops each time
+        [sample] = generate_samples(prompts, generate_group, n_samples_per_prompt=1, sampling=SamplingConfig(), seed=0)
         assert (sample.status, sample.metadata["failure"]) == (
             SampleStatus.FAILED,
             "the agent raised RuntimeError: boom",

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from doubles import hold_sampling_step
+from miles.core.buffer import generate_samples
 from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateOutput, GenerateRequest
 from miles.core.rewards import score_samples
@@ -109,7 +110,8 @@ def test_a_rollout_does_not_depend_on_the_engines_batch_size(tiny_llama_dir):
     samples = {}
     for size in (1, 64):
         engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], max_batch_size=size)
-        samples[size] = ChatRollout(engine, tokenizer=None)(prompts, n_samples_per_prompt=4, sampling=sampling, seed=5)
+        rollout = ChatRollout(engine, tokenizer=None)
+        samples[size] = generate_samples(prompts, rollout, n_samples_per_prompt=4, sampling=sampling, seed=5)
     assert [s.tokens for s in samples[1]] == [s.tokens for s in samples[64]]
     assert [s.index for s in samples[64]] == list(range(12))
 

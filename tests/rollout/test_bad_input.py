@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+from miles.core.buffer import generate_samples
 from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateOutput
 from miles.core.sample import Sample, SampleStatus
@@ -125,9 +126,10 @@ def test_empty_misaligned_and_nonfinite_engine_outputs_fail_their_sample_only():
         GenerateOutput([5, 6, 7], [-1.0, -1.0, -1.0], "length"),  # hit max_new_tokens
     ]
     prompts = [Sample(index=0, group_index=0, prompt=[1, 4])]
-    samples = ChatRollout(ScriptedEngine(outputs), tokenizer=None)(
-        prompts, n_samples_per_prompt=6, sampling=SamplingConfig(max_new_tokens=3), seed=0
-    )
+    samples = generate_samples(
+        prompts, ChatRollout(ScriptedEngine(outputs), tokenizer=None), n_samples_per_prompt=6,
+        sampling=SamplingConfig(max_new_tokens=3), seed=0,
+    )  # fmt: skip
     assert [s.status for s in samples] == [SampleStatus.FAILED] * 4 + [SampleStatus.COMPLETED, SampleStatus.TRUNCATED]
     assert [s.metadata["failure"] for s in samples[:4]] == [
         "engine returned an empty response",
@@ -141,8 +143,9 @@ def test_empty_misaligned_and_nonfinite_engine_outputs_fail_their_sample_only():
 
 def test_a_prompt_longer_than_the_context_fails_its_samples_without_calling_the_engine():
     prompts = [Sample(index=0, group_index=0, prompt=list(range(1, 40)))]
-    samples = ChatRollout(ScriptedEngine([]), tokenizer=None, max_prompt_tokens=16)(
-        prompts, n_samples_per_prompt=2, sampling=SamplingConfig(), seed=0
-    )
+    samples = generate_samples(
+        prompts, ChatRollout(ScriptedEngine([]), tokenizer=None, max_prompt_tokens=16), n_samples_per_prompt=2,
+        sampling=SamplingConfig(), seed=0,
+    )  # fmt: skip
     assert [s.status for s in samples] == [SampleStatus.FAILED] * 2
     assert samples[0].metadata["failure"] == "prompt has 39 tokens > max_prompt_tokens"

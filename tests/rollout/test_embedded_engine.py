@@ -1,8 +1,8 @@
-import asyncio
 
 import pytest
 import torch
 from miles.core.batch import build_train_batch
+from miles.core.buffer import generate_samples
 from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateRequest
 from miles.core.sample import Sample, SampleStatus
@@ -33,7 +33,7 @@ def test_engine_log_probs_equal_trainer_log_probs_on_the_same_tokens(
     rollout = ChatRollout(smollm2_engine, smollm2_tokenizer)
     prompts = [Sample(index=i, group_index=i, prompt=[{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)]
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=12)
-    samples = rollout(prompts, n_samples_per_prompt=2, sampling=sampling, seed=3)
+    samples = generate_samples(prompts, rollout, n_samples_per_prompt=2, sampling=sampling, seed=3)
     batch = build_train_batch(samples, torch.zeros(len(samples)), pad_token_id=0)
     backend = FSDP2Backend(
         smollm2_dir,
@@ -107,45 +107,8 @@ def test_token_id_prompts_go_through_unchanged_and_empty_prompts_fail_the_sample
     engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2])
     rollout = ChatRollout(engine, tokenizer=None)
     prompts = [Sample(index=0, group_index=0, prompt=[1, 7, 9]), Sample(index=1, group_index=1, prompt="")]
-    samples = rollout(prompts, n_samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=3), seed=0)
+    samples = generate_samples(prompts, rollout, n_samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=3),
+                               seed=0)  # fmt: skip
     assert [s.group_index for s in samples] == [0, 0, 1, 1]
     assert samples[0].tokens[:3] == [1, 7, 9] and samples[0].response_length >= 1
     assert samples[2].status == SampleStatus.FAILED and "empty prompt" in samples[2].metadata["failure"]
-
-
-def test_stop_counter_reports_each_sequence_once_when_it_samples_a_stop_token_and_stops_nothing():
-    from miles.rollout.engines.embedded import StopCounter
-
-    calls = []
-    counter = StopCounter([2, 9], calls.append)
-    # Prompt [1, 5] for 3 sequences; step 1 samples [2, 4, 7]: row 0 stops.
-    done = counter(torch.tensor([[1, 5, 2], [1, 5, 4], [1, 5, 7]]), None)
-    # Step 2: row 0 is padded with 2 (not counted again), row 1 samples the other stop id 9, row 2 goes on.
-    done |= counter(torch.tensor([[1, 5, 2, 2], [1, 5, 4, 9], [1, 5, 7, 3]]), None)
-    assert calls == [[0], [1]] and counter.num_stopped == 2
-    assert done.tolist() == [False, False, False]
-
-
-def test_on_finished_reports_each_request_while_decoding_and_changes_no_sample(tiny_llama_dir):
-    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2], max_batch_size=8, continuous=False)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
-    requests = [GenerateRequest([1, 3 + i % 5], sampling, seed=11 + i) for i in range(12)]  # two batches: 8 + 4
-    finished = []
-
-    async def run():
-        return await asyncio.gather(*(engine.generate(r, on_finished=lambda i=i: finished.append(i))
-                                      for i, r in enumerate(requests)))  # fmt: skip
-
-    with_progress = asyncio.run(run())
-    without = engine.generate_batch(requests)
-    assert [o.response_tokens for o in with_progress] == [o.response_tokens for o in without]
-    assert [o.log_probs for o in with_progress] == [o.log_probs for o in without]
-    assert sorted(finished) == list(range(12))  # each request once
-    assert list(engine.batch_sizes)[:2] == [8, 4]
-    for batch in (range(8), range(8, 12)):
-        stopped = [i for i in batch if with_progress[i].finish_reason == "stop"]
-        truncated = [i for i in batch if with_progress[i].finish_reason == "length"]
-        assert stopped and truncated  # both ways of finishing are exercised by these seeds
-        # Stopped requests were reported from inside the decode loop, before those that ran to max length.
-        order = [i for i in finished if i in batch]
-        assert set(order[: len(stopped)]) == set(stopped)

@@ -506,6 +506,7 @@ def _assert_restored(cluster, victim, survivor, *, restarts: int) -> None:
 @pytest.mark.slow
 @pytest.mark.integration
 def test_a_server_killed_mid_rollout_is_restarted_resynced_and_its_requests_resubmitted(cluster):
+    from miles.core.buffer import generate_samples
     from miles.rollout.generate import ChatRollout
 
     victim, survivor = cluster["servers"]
@@ -516,7 +517,9 @@ def test_a_server_killed_mid_rollout_is_restarted_resynced_and_its_requests_resu
     prompts = [Sample(index=i, group_index=i, prompt=[1, 3 + i, 5]) for i in range(NUM_PROMPTS)]
     rollout = ChatRollout(cluster["engine"], None)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(rollout, prompts, n_samples_per_prompt=GROUP_SIZE, sampling=SAMPLING, seed=0)
+        future = pool.submit(
+            generate_samples, prompts, rollout, n_samples_per_prompt=GROUP_SIZE, sampling=SAMPLING, seed=0
+        )
         _wait_for(lambda: _served(victim.url) >= 2, timeout_s=60.0, what="the victim finished no 2 requests")
         finished_on_victim = _served(victim.url)
         assert finished_on_victim < NUM_PROMPTS * GROUP_SIZE // 2, "the victim finished its share: slow it down"

@@ -1,36 +1,28 @@
-"""ChatRollout and generate_group: progress (failed prompts count at once, the rest is the engine's to report),
-response text, statuses, seeds and sample order."""
+"""ChatRollout and generate_group: failed prompts, response text, statuses, seeds and sample order."""
 
 import asyncio
 
 import pytest
+from miles.core.buffer import generate_samples
 from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateOutput
 from miles.core.sample import Sample
 
 
 class CountingEngine:
-    """Answers every request with [5, 2]; reports each request as finished."""
+    """Answers every request with [5, 2]; counts the requests."""
 
     weight_version = 0
 
     def __init__(self):
         self.num_requests = 0
 
-    async def generate(self, request, *, on_finished=None):
-        self.num_requests += 1
-        on_finished()
-        return GenerateOutput([5, 2], [-1.0, -1.0], "stop")
-
-
-class EngineWithoutProgress:
-    weight_version = 0
-
     async def generate(self, request):
+        self.num_requests += 1
         return GenerateOutput([5, 2], [-1.0, -1.0], "stop")
 
 
-def test_failed_prompts_count_as_finished_at_once_and_the_engine_reports_the_rest():
+def test_bad_prompts_fail_their_samples_without_a_request_and_the_rest_is_generated():
     from miles.rollout.generate import ChatRollout
 
     engine = CountingEngine()
@@ -38,20 +30,10 @@ def test_failed_prompts_count_as_finished_at_once_and_the_engine_reports_the_res
     # Prompt 1 is empty and prompt 2 too long (4 > 3 tokens): their 2 x 3 samples fail before generation.
     prompts = [Sample(index=0, group_index=0, prompt=[1, 7]), Sample(index=1, group_index=1, prompt=""),
                Sample(index=2, group_index=2, prompt=[1, 2, 3, 4])]  # fmt: skip
-    calls = []
-    samples = rollout(prompts, n_samples_per_prompt=3, sampling=SamplingConfig(), seed=0, on_finished=calls.append)
-    # Groups run concurrently: each failed prompt reports its 3 samples at once, before any response finishes.
-    assert calls == [3, 3, 1, 1, 1]
-    assert sum(calls) == len(samples) == 9 and engine.num_requests == 3
-
-
-def test_an_engine_without_progress_support_works_when_no_callback_is_given():
-    from miles.rollout.generate import ChatRollout
-
-    rollout = ChatRollout(EngineWithoutProgress(), tokenizer=None)
-    samples = rollout([Sample(index=0, group_index=0, prompt=[1, 7])], n_samples_per_prompt=2,
-                      sampling=SamplingConfig(), seed=0)  # fmt: skip
-    assert [s.response_tokens for s in samples] == [[5, 2], [5, 2]]
+    samples = generate_samples(prompts, rollout, n_samples_per_prompt=3, sampling=SamplingConfig(), seed=0)
+    assert [s.status.value for s in samples] == ["completed"] * 3 + ["failed"] * 6
+    assert "max_prompt_tokens" in samples[-1].metadata["failure"]
+    assert len(samples) == 9 and engine.num_requests == 3
 
 
 class RecordingEngine:
@@ -78,14 +60,17 @@ def test_the_decoded_response_is_the_typed_response_text_field_that_rewards_read
     from miles.rollout.generate import ChatRollout
     from miles.rollout.rewards import extract_answer
 
-    samples = ChatRollout(RecordingEngine(), DigitTokenizer())(
-        [Sample(index=0, group_index=0, prompt=[1, 7])], n_samples_per_prompt=1, sampling=SamplingConfig(), seed=0
-    )
+    prompts = [Sample(index=0, group_index=0, prompt=[1, 7])]
+    samples = generate_samples(
+        prompts, ChatRollout(RecordingEngine(), DigitTokenizer()), n_samples_per_prompt=1, sampling=SamplingConfig(),
+        seed=0,
+    )  # fmt: skip
     assert samples[0].response_text == "5" and "response_text" not in samples[0].metadata
     assert extract_answer(samples[0].response_text) == "5"
-    token_only = ChatRollout(RecordingEngine(), tokenizer=None)(
-        [Sample(index=0, group_index=0, prompt=[1, 7])], n_samples_per_prompt=1, sampling=SamplingConfig(), seed=0
-    )
+    token_only = generate_samples(
+        prompts, ChatRollout(RecordingEngine(), tokenizer=None), n_samples_per_prompt=1, sampling=SamplingConfig(),
+        seed=0,
+    )  # fmt: skip
     assert token_only[0].response_text is None  # no tokenizer, no text
 
 
@@ -108,9 +93,10 @@ def test_chat_rollout_samples_come_in_prompt_order_each_with_the_seed_of_its_pos
     from miles.rollout.generate import ChatRollout
 
     prompts = [Sample(index=0, group_index=g, prompt=[1, 7 + g]) for g in (4, 5, 6)]
-    samples = ChatRollout(SeedEchoEngine(), tokenizer=None)(
-        prompts, n_samples_per_prompt=2, sampling=SamplingConfig(), seed=11
-    )
+    samples = generate_samples(
+        prompts, ChatRollout(SeedEchoEngine(), tokenizer=None), n_samples_per_prompt=2, sampling=SamplingConfig(),
+        seed=11,
+    )  # fmt: skip
     assert [s.group_index for s in samples] == [4, 4, 5, 5, 6, 6] and [s.index for s in samples] == list(range(6))
     assert [s.response_tokens[0] for s in samples] == [sample_seed(11, i) % 50 for i in range(6)]
     assert samples[0].tokens[:2] == [1, 11] and samples[0].weight_versions == [2, 3]
@@ -127,7 +113,7 @@ def test_generate_group_needs_one_seed_per_sample():
 
 class AbortingEngine:
     """Aborts the first ``aborts`` requests of each seed with a partial response, then answers [seed, 2]; a seed of
-    13 fails on its own (``RequestFailed``). Reports every request as finished, aborted ones included."""
+    13 fails on its own (``RequestFailed``)."""
 
     weight_version = 0
 
@@ -135,13 +121,12 @@ class AbortingEngine:
         self.aborts = aborts
         self.requests = []
 
-    async def generate(self, request, *, on_finished=None):
+    async def generate(self, request):
         from miles.core.protocols import RequestFailed
 
         self.requests.append(request.seed)
         if request.seed == 13:
             raise RequestFailed("server rejected the request: bad sampling params")
-        on_finished()
         if self.requests.count(request.seed) <= self.aborts:
             return GenerateOutput([9], [-0.5], "abort")
         return GenerateOutput([request.seed, 2], [-1.0, -1.0], "stop")
@@ -152,15 +137,12 @@ def test_responses_cut_off_by_a_pause_are_requested_again_from_the_start_up_to_t
     from miles.rollout.generate import generate_group
 
     engine = AbortingEngine(aborts)
-    calls = []
     prompt = Sample(index=0, group_index=4, prompt=[1, 7])
     samples = asyncio.run(
-        generate_group(engine, None, prompt, n=2, sampling=SamplingConfig(), seeds=[5, 6], max_resubmits=2,
-                       on_finished=calls.append)
-    )  # fmt: skip
+        generate_group(engine, None, prompt, n=2, sampling=SamplingConfig(), seeds=[5, 6], max_resubmits=2)
+    )
     assert [s.status.value for s in samples] == [status, status]
     assert sorted(engine.requests) == sorted([5, 6] * min(aborts + 1, 3))  # the same seed each time
-    assert calls == [1, 1]  # each sample counted once however often it was sent
     if status == "completed":
         assert [s.response_tokens for s in samples] == [[5, 2], [6, 2]]
         assert [s.metadata["resubmits"] for s in samples] == [aborts, aborts]
@@ -171,11 +153,10 @@ def test_responses_cut_off_by_a_pause_are_requested_again_from_the_start_up_to_t
 def test_a_request_that_fails_on_its_own_fails_only_its_sample():
     from miles.rollout.generate import generate_group
 
-    calls = []
     samples = asyncio.run(
         generate_group(AbortingEngine(0), None, Sample(index=0, group_index=0, prompt=[1, 7]), n=2,
-                       sampling=SamplingConfig(), seeds=[13, 6], on_finished=calls.append)
+                       sampling=SamplingConfig(), seeds=[13, 6])
     )  # fmt: skip
     assert [s.status.value for s in samples] == ["failed", "completed"]
     assert "bad sampling params" in samples[0].metadata["failure"] and samples[0].response_length == 0
-    assert samples[1].response_tokens == [6, 2] and sorted(calls) == [1, 1]
+    assert samples[1].response_tokens == [6, 2]

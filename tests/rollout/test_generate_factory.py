@@ -1,16 +1,15 @@
 """rollout.generate_path: a group-generate factory named module:attr, imported and checked at start-up (the
-multi-turn rollout is the built-in one), and GroupRollout, the batch form eval calls."""
+multi-turn rollout is the built-in one); the function it returns serves training and eval."""
 
 import sys
 from pathlib import Path
 
 import pytest
-from miles.core.buffer import sample_seed
+from miles.core.buffer import generate_samples, sample_seed
 from miles.core.config import RolloutConfig, SamplingConfig
 from miles.core.sample import Sample
 from miles.rollout.generate_factory import (
     GenerateContext,
-    GroupRollout,
     build_generate_fn,
     generate_factory_path,
     load_generate_factory,
@@ -41,11 +40,11 @@ def test_the_multi_turn_factory_builds_the_multi_turn_group_function(smollm2_dir
     assert list(generate_group.__self__.tools) == ["calculator"]
 
 
-def test_a_plugin_function_serves_training_and_eval_through_group_rollout():
+def test_a_plugin_function_runs_per_prompt_with_position_seeds():
     rollout = RolloutConfig(generate_path="generate_plugins:build_echo")
     generate_group = build_generate_fn(rollout, context(rollout))
     prompts = [Sample(index=0, group_index=5, prompt="a"), Sample(index=1, group_index=6, prompt="b")]
-    samples = GroupRollout(generate_group)(prompts, n_samples_per_prompt=2, sampling=SamplingConfig(), seed=3)
+    samples = generate_samples(prompts, generate_group, n_samples_per_prompt=2, sampling=SamplingConfig(), seed=3)
     assert [(s.index, s.group_index) for s in samples] == [(0, 5), (1, 5), (2, 6), (3, 6)]
     assert [s.metadata["seed"] for s in samples] == [sample_seed(3, i) for i in range(4)]
 

@@ -59,13 +59,10 @@ def generate(engine, tokenizer, *, n=1, seeds=None, max_new_tokens=64, prompt=PR
     tools = kwargs.pop("tools", {"calculator": calculator})
     options = {k: v for k, v in kwargs.items() if k not in config_keys}
     rollout = MultiTurnRollout(engine, tokenizer, config=config, tools=tools, **options)
-    calls = []
-    samples = asyncio.run(
+    return asyncio.run(
         rollout.generate_group(Sample(index=0, group_index=3, prompt=prompt, label="5"), n=n,
-                               sampling=SamplingConfig(max_new_tokens=max_new_tokens), seeds=seeds or list(range(n)),
-                               on_finished=calls.append)
+                               sampling=SamplingConfig(max_new_tokens=max_new_tokens), seeds=seeds or list(range(n)))
     )  # fmt: skip
-    return samples, calls
 
 
 def assert_aligned(sample):
@@ -78,7 +75,7 @@ def test_the_response_budget_caps_the_next_turn_and_the_cut_turn_ends_truncated(
     suffix = encode(tokenizer, TOOL_SUFFIX)
     engine = scripted([first, turn(tokenizer, "The", finish="length")])
     budget = len(first.response_tokens) + len(suffix) + 1  # room for exactly one token of turn 2
-    [sample], _ = generate(engine, tokenizer, max_response_tokens=budget, max_new_tokens=budget - 1)
+    [sample] = generate(engine, tokenizer, max_response_tokens=budget, max_new_tokens=budget - 1)
     assert [r.sampling.max_new_tokens for r in engine.requests] == [budget - 1, 1]  # min(max_new_tokens, left)
     assert (sample.status, sample.metadata["stop_reason"]) == (SampleStatus.TRUNCATED, "max_response_tokens")
     assert sample.response_length == budget
@@ -90,7 +87,7 @@ def test_tool_results_that_leave_no_room_for_a_model_token_are_not_appended(toke
     first = turn(tokenizer, CALL)
     engine = scripted([first])
     budget = len(first.response_tokens) + len(encode(tokenizer, TOOL_SUFFIX))  # the results would fill it
-    [sample], _ = generate(engine, tokenizer, max_response_tokens=budget)
+    [sample] = generate(engine, tokenizer, max_response_tokens=budget)
     assert len(engine.requests) == 1
     assert (sample.status, sample.metadata["stop_reason"]) == (SampleStatus.TRUNCATED, "max_response_tokens")
     assert sample.response_tokens == first.response_tokens and sample.loss_mask == [1] * len(first.response_tokens)
@@ -99,14 +96,14 @@ def test_tool_results_that_leave_no_room_for_a_model_token_are_not_appended(toke
 
 def test_a_tool_call_in_the_last_allowed_turn_ends_truncated_without_running_it(tokenizer):
     first = turn(tokenizer, CALL)
-    [sample], _ = generate(scripted([first]), tokenizer, max_turns=1)
+    [sample] = generate(scripted([first]), tokenizer, max_turns=1)
     assert (sample.status, sample.metadata["stop_reason"], sample.metadata["num_tool_calls"]) == (
         SampleStatus.TRUNCATED, "max_turns", 0)  # fmt: skip
     assert sample.response_tokens == first.response_tokens and sample.response_text == CALL
 
 
 def test_a_turn_cut_at_max_new_tokens_with_budget_left_ends_truncated_by_length(tokenizer):
-    [sample], _ = generate(scripted([turn(tokenizer, "Let me think", finish="length")]), tokenizer)
+    [sample] = generate(scripted([turn(tokenizer, "Let me think", finish="length")]), tokenizer)
     assert (sample.status, sample.metadata["stop_reason"], sample.metadata["finish_reason"]) == (
         SampleStatus.TRUNCATED, "length", "length")  # fmt: skip
 
@@ -115,7 +112,7 @@ def test_an_aborted_turn_is_requested_again_from_the_same_trajectory_with_the_sa
     first, partial = turn(tokenizer, CALL), turn(tokenizer, "Th", finish="abort", versions=(1,))
     final = turn(tokenizer, "5", versions=(2,))
     engine = scripted([first, partial, final])
-    [sample], _ = generate(engine, tokenizer, max_resubmits=1)
+    [sample] = generate(engine, tokenizer, max_resubmits=1)
     assert engine.requests[1].prompt_tokens == engine.requests[2].prompt_tokens
     assert engine.requests[1].seed == engine.requests[2].seed == sample_seed(0, 1)
     assert sample.metadata["resubmits"] == 1 and sample.status == SampleStatus.COMPLETED
@@ -125,7 +122,7 @@ def test_an_aborted_turn_is_requested_again_from_the_same_trajectory_with_the_sa
 
 def test_without_resubmits_left_an_aborted_turn_ends_the_sample_aborted_with_its_partial_tokens(tokenizer):
     first, partial = turn(tokenizer, CALL), turn(tokenizer, "Th", finish="abort")
-    [sample], _ = generate(scripted([first, partial]), tokenizer, max_resubmits=0)
+    [sample] = generate(scripted([first, partial]), tokenizer, max_resubmits=0)
     assert (sample.status, sample.metadata["stop_reason"]) == (SampleStatus.ABORTED, "abort")
     assert sample.response_tokens[-len(partial.response_tokens) :] == partial.response_tokens
     assert_aligned(sample)
@@ -136,12 +133,12 @@ def test_stale_tokens_are_masked_by_the_weight_version_that_sampled_them(tokeniz
     first = GenerateOutput(first.response_tokens, first.log_probs, "stop", weight_versions=[0, 1],
                            segment_lengths=[2, len(first.response_tokens) - 2])  # fmt: skip
     second = turn(tokenizer, "5", versions=(1,))
-    [sample], _ = generate(scripted([first, second]), tokenizer, mask_stale_segments=True)
+    [sample] = generate(scripted([first, second]), tokenizer, mask_stale_segments=True)
     num_suffix = len(encode(tokenizer, TOOL_SUFFIX))
     model_1 = len(first.response_tokens)
     assert sample.loss_mask == [0, 0] + [1] * (model_1 - 2) + [0] * num_suffix + [1] * len(second.response_tokens)
     assert sample.weight_versions == [0, 1, 1]
-    unmasked, _ = generate(scripted([first, second]), tokenizer)
+    unmasked = generate(scripted([first, second]), tokenizer)
     assert unmasked[0].loss_mask[:model_1] == [1] * model_1
 
 
@@ -155,14 +152,14 @@ def test_routed_experts_of_the_last_turn_cover_every_token(tokenizer):
         rows = [[[k]]] * (len(request.prompt_tokens) + len(ids))  # [prompt + response, layers 1, top_k 1]
         return GenerateOutput(ids, [-0.5] * len(ids), "stop", routed_experts=rows)
 
-    [sample], _ = generate(Engine(respond), tokenizer)
+    [sample] = generate(Engine(respond), tokenizer)
     assert len(sample.rollout_routed_experts) == len(sample.tokens) and sample.rollout_routed_experts[0] == [[1]]
     assert sample.prompt_length == prompt_length
 
 
 def test_a_bad_tool_call_gets_an_error_result_and_the_model_continues(tokenizer):
     bad = turn(tokenizer, '<tool_call>{"name": "search", "arguments": {}}</tool_call>')
-    [sample], _ = generate(scripted([bad, turn(tokenizer, "5")]), tokenizer)
+    [sample] = generate(scripted([bad, turn(tokenizer, "5")]), tokenizer)
     error = "Error: unknown tool 'search'; the tools are calculator"
     assert sample.metadata["messages"][1] == {"role": "tool", "name": "search", "content": error}
     assert f"<|im_start|>tool\n{error}<|im_end|>" in tokenizer.decode(sample.response_tokens)
@@ -184,13 +181,13 @@ def test_a_tool_past_its_time_limit_answers_an_error_and_slow_tools_do_not_block
     hang = turn(tokenizer, '<tool_call>{"name": "calculator", "arguments": {"expression": "hang"}}</tool_call>')
     tools = {"calculator": Tool("calculator", "", {}, slow)}
     try:
-        [sample], _ = generate(scripted([hang, turn(tokenizer, "5")]), tokenizer, tools=tools, tool_timeout_s=0.2)
+        [sample] = generate(scripted([hang, turn(tokenizer, "5")]), tokenizer, tools=tools, tool_timeout_s=0.2)
         error = "Error: the tool 'calculator' did not answer within 0.2 s"
         assert sample.metadata["messages"][1]["content"] == error and sample.metadata["num_tool_timeouts"] == 1
         assert sample.status == SampleStatus.COMPLETED and sample.response_text == "5"
         # 4 samples, each calling the tool once: their calls run at once, in threads, off the event loop.
         engine = Engine(lambda request, k: turn(tokenizer, CALL if k < 4 else "5"))
-        samples, _ = generate(engine, tokenizer, n=4, tools=tools)
+        samples = generate(engine, tokenizer, n=4, tools=tools)
         assert all(s.status == SampleStatus.COMPLETED and "num_tool_timeouts" not in s.metadata for s in samples)
     finally:
         release.set()
@@ -220,34 +217,34 @@ def test_a_tool_past_its_time_limit_answers_an_error_and_slow_tools_do_not_block
     ],
 )
 def test_a_failure_in_any_turn_fails_only_its_sample_and_drops_the_response(tokenizer, outputs, options, failure):
-    [sample], calls = generate(scripted(outputs(tokenizer)), tokenizer, **options)
+    [sample] = generate(scripted(outputs(tokenizer)), tokenizer, **options)
     assert (sample.status, sample.metadata["failure"]) == (SampleStatus.FAILED, failure)
     assert (sample.response_length, sample.loss_mask, sample.rollout_log_probs) == (0, None, [])
-    assert sample.prompt_length > 0 and calls == [1]
+    assert sample.prompt_length > 0
 
 
 def test_a_failed_request_fails_its_sample(tokenizer):
     def respond(request, k):
         raise RequestFailed("server answered 500")
 
-    [sample], _ = generate(Engine(respond), tokenizer)
+    [sample] = generate(Engine(respond), tokenizer)
     assert (sample.status, sample.metadata["failure"]) == (SampleStatus.FAILED, "server answered 500")
 
 
 def test_each_sample_and_turn_has_its_own_seed_and_progress_counts_samples(tokenizer):
     engine = Engine(lambda request, k: turn(tokenizer, CALL if request.seed in (sample_seed(10, 0),) else "5"))
-    samples, calls = generate(engine, tokenizer, n=2, seeds=[10, 20])
+    samples = generate(engine, tokenizer, n=2, seeds=[10, 20])
     assert sorted(r.seed for r in engine.requests) == sorted(
         [sample_seed(10, 0), sample_seed(10, 1), sample_seed(20, 0)]
     )
-    assert [s.metadata["num_turns"] for s in samples] == [2, 1] and calls == [1, 1]
+    assert [s.metadata["num_turns"] for s in samples] == [2, 1]
     assert [(s.index, s.group_index, s.label) for s in samples] == [(0, 3, "5"), (1, 3, "5")]
 
 
 def test_a_prompt_too_long_fails_the_group_at_once_without_a_request(tokenizer):
     engine = scripted([])
-    samples, calls = generate(engine, tokenizer, n=3, max_prompt_tokens=4)
-    assert [s.status for s in samples] == [SampleStatus.FAILED] * 3 and calls == [3] and engine.requests == []
+    samples = generate(engine, tokenizer, n=3, max_prompt_tokens=4)
+    assert [s.status for s in samples] == [SampleStatus.FAILED] * 3 and engine.requests == []
     assert (
         samples[0].metadata["failure"].startswith("prompt has ")
         and "> max_prompt_tokens" in samples[0].metadata["failure"]

@@ -22,15 +22,17 @@ def test_multi_turn_loss_mask_trains_only_the_assistant_turns(smollm2_dir):
     assert loss_mask[0] == 1  # the prompt ends right after the first assistant header
 
 
-def test_sft_rollout_reports_all_its_samples_finished_when_given_a_progress_callback(smollm2_dir):
+def test_sft_rollout_is_a_group_function_of_n_identical_samples(smollm2_dir):
+    from miles.core.buffer import generate_samples
     from miles.core.config import SamplingConfig
-    from miles.core.sample import Sample
+    from miles.core.sample import Sample, SampleStatus
     from miles.rollout.sft import SFTRollout
     from transformers import AutoTokenizer
 
     rollout = SFTRollout(AutoTokenizer.from_pretrained(smollm2_dir))
     prompts = [Sample(index=i, group_index=i, prompt=f"{i}+1?", label=str(i + 1)) for i in range(2)]
-    calls = []
-    samples = rollout(prompts, n_samples_per_prompt=3, sampling=SamplingConfig(), seed=0, on_finished=calls.append)
-    assert calls == [6] and len(samples) == 6
-    assert rollout(prompts, n_samples_per_prompt=3, sampling=SamplingConfig(), seed=0)[0].tokens == samples[0].tokens
+    samples = generate_samples(prompts, rollout, n_samples_per_prompt=3, sampling=SamplingConfig(), seed=0)
+    assert [(s.index, s.group_index) for s in samples] == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1)]
+    assert all(s.status == SampleStatus.COMPLETED for s in samples)
+    assert samples[0].tokens == samples[2].tokens != samples[3].tokens
+    assert samples[0].response_length == sum(samples[0].loss_mask) > 0

@@ -12,18 +12,12 @@ step are returned in prompt order, so a step's rollout is the same whatever orde
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import threading
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 from miles.core.config import SamplingConfig
-from miles.core.protocols import GroupGenerateFn, RolloutFn
+from miles.core.protocols import GroupGenerateFn
 from miles.core.sample import Sample
-
-T = TypeVar("T")
 
 # 2**64 / golden ratio (Fibonacci hashing): consecutive step seeds land far apart in the per-sample seed space.
 SEED_MULTIPLIER = 0x9E3779B97F4A7C15
@@ -88,24 +82,24 @@ async def produce_groups(
     n_samples_per_prompt: int,
     sampling: SamplingConfig,
     seed: int,
-    on_finished: Callable[[int], None] | None = None,
+    on_group: Callable[[int], None] | None = None,
 ) -> None:
     """Run ``generate_group`` for every prompt concurrently and put each group into ``buffer`` as it completes.
 
     Sample j of the prompt at position p gets seed ``sample_seed(seed, p * n + j)`` (n = ``n_samples_per_prompt``)
     and ``index`` p * n + j, which orders the groups by prompt (a group of another size than n is passed on as
-    it is; ``collect_groups`` renumbers). Returns once every group is in the buffer, so a buffer smaller than
-    ``len(prompts)`` needs a consumer running meanwhile.
+    it is; ``collect_groups`` renumbers). ``on_group`` (progress only) is called with a group's size as it
+    completes. Returns once every group is in the buffer, so a buffer smaller than ``len(prompts)`` needs a
+    consumer running meanwhile.
     Raises: ValueError for an empty group; the first error of a ``generate_group`` call, after cancelling the
         others.
     """
     n = n_samples_per_prompt
-    progress = {"on_finished": on_finished} if on_finished is not None else {}  # functions never given one may lack it
 
     async def one(position: int, prompt: Sample) -> None:
         indices = range(position * n, (position + 1) * n)
         seeds = [sample_seed(seed, i) for i in indices]
-        group = await generate_group(prompt, n=n, sampling=sampling, seeds=seeds, **progress)
+        group = await generate_group(prompt, n=n, sampling=sampling, seeds=seeds)
         if not group:
             raise ValueError(
                 f"the group-generate function returned no sample for prompt {prompt.group_index}, expected "
@@ -113,6 +107,8 @@ async def produce_groups(
             )
         for j, sample in enumerate(group):
             sample.index = position * n + j
+        if on_group is not None:
+            on_group(len(group))
         await buffer.put(group)
 
     tasks = [asyncio.ensure_future(one(p, prompt)) for p, prompt in enumerate(prompts)]
@@ -130,7 +126,7 @@ async def collect_groups(
     n_samples_per_prompt: int,
     sampling: SamplingConfig,
     seed: int,
-    on_finished: Callable[[int], None] | None = None,
+    on_group: Callable[[int], None] | None = None,
 ) -> list[list[Sample]]:
     """One step of the sync loop: the producer fills a buffer of ``len(prompts)`` groups, the step takes them all.
 
@@ -147,7 +143,7 @@ async def collect_groups(
         n_samples_per_prompt=n_samples_per_prompt,
         sampling=sampling,
         seed=seed,
-        on_finished=on_finished,
+        on_group=on_group,
     )
     groups = sorted(await buffer.get(len(prompts)), key=lambda group: group[0].index)  # index: p * n + j
     for index, sample in enumerate(s for group in groups for s in group):
@@ -155,80 +151,35 @@ async def collect_groups(
     return groups
 
 
-class RolloutGroups:
-    """``GroupGenerateFn`` over a batch ``RolloutFn``: the groups asked for in one event-loop turn (a producer's
-    step) become one ``rollout_fn`` call, run in a worker thread, so a batch rollout function still sees the whole
-    step at once and the engine behind it batches as before. The thread is a daemon: a second Ctrl-C (which
-    interrupts the event loop) ends the process without waiting for the rollout to return.
+def generate_samples(
+    prompts: Sequence[Sample],
+    generate_group: GroupGenerateFn,
+    *,
+    n_samples_per_prompt: int,
+    sampling: SamplingConfig,
+    seed: int,
+    on_group: Callable[[int], None] | None = None,
+) -> list[Sample]:
+    """``collect_groups`` for synchronous callers (evaluation, scripts, an ``eval.path`` function): the samples of
+    every prompt, in prompt order, index 0 .. len(prompts) * n - 1. Runs its own event loop.
 
-    The call gets ``seed`` (the step seed; a rollout function derives per-sample seeds from it, as ``ChatRollout``
-    does with ``sample_seed``); the per-sample ``seeds`` of the group calls are not used. Samples are split into
-    groups by ``group_index``, so the prompts of one step need distinct ones (a ``DataSource`` guarantees it).
-
-    Args:
-        rollout_fn: the batch rollout function.
-        seed: passed as ``seed`` to every call.
+    Raises: RuntimeError when called from a running event loop (await ``collect_groups`` there); what
+        ``collect_groups`` raises.
     """
-
-    def __init__(self, rollout_fn: RolloutFn, *, seed: int) -> None:
-        self.rollout_fn = rollout_fn
-        self.seed = seed
-        self._pending: list[tuple[Sample, asyncio.Future[list[Sample]]]] = []
-
-    async def __call__(
-        self,
-        prompt: Sample,
-        *,
-        n: int,
-        sampling: SamplingConfig,
-        seeds: Sequence[int],
-        on_finished: Callable[[int], None] | None = None,
-    ) -> list[Sample]:
-        future: asyncio.Future[list[Sample]] = asyncio.get_running_loop().create_future()
-        self._pending.append((prompt, future))
-        if len(self._pending) == 1:  # the first group of this turn runs the call for all of them
-            await asyncio.sleep(0)  # the producer's other group calls (scheduled in this turn) join first
-            batch, self._pending = self._pending, []
-            progress = {"on_finished": on_finished} if on_finished is not None else {}
-            call = functools.partial(
-                self.rollout_fn, [p for p, _ in batch], n_samples_per_prompt=n, sampling=sampling, seed=self.seed
-            )
-            try:
-                samples = await _in_daemon_thread(functools.partial(call, **progress))
-            except Exception as err:
-                for _, waiting in batch:
-                    waiting.set_exception(err)
-            else:
-                groups: dict[int, list[Sample]] = defaultdict(list)
-                for sample in samples:
-                    groups[sample.group_index].append(sample)
-                for p, waiting in batch:
-                    waiting.set_result(groups[p.group_index])
-        return await future
-
-
-async def _in_daemon_thread(fn: Callable[[], T]) -> T:
-    """``fn()`` in a daemon thread. Unlike ``asyncio.to_thread`` (the loop's executor, joined when ``asyncio.run``
-    shuts down), nothing waits for it when the loop is interrupted. Raises what ``fn`` raised."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if future.done():  # the waiting task was cancelled
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        result, error = None, None
-        try:
-            result = fn()
-        except BaseException as err:  # noqa: BLE001 - handed to the waiting task
-            error = err
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for the result any more
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="rollout", daemon=True).start()
-    return await future
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError("generate_samples runs its own event loop; from async code await collect_groups instead")
+    groups = asyncio.run(
+        collect_groups(
+            prompts,
+            generate_group,
+            n_samples_per_prompt=n_samples_per_prompt,
+            sampling=sampling,
+            seed=seed,
+            on_group=on_group,
+        )
+    )
+    return [sample for group in groups for sample in group]

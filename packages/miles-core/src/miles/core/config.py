@@ -180,13 +180,6 @@ class RolloutConfig(_Section):
         "start-up. Empty (the default) = the built-in one of rollout.mode (generate: single turn; multi_turn: "
         "miles.rollout.multiturn:build_multi_turn). Not with rollout.mode sft.",
     )
-    rollout_path: str = Field(
-        "",
-        description="module:attr of a rollout factory: called once at start-up with a GenerateContext (engine, "
-        "tokenizer, this section), it returns the RolloutFn that turns a step's prompts into all their samples at "
-        "once (training with loop.mode sync, and eval). Replaces the built-in rollout of rollout.mode generate; not "
-        "with rollout.generate_path. Empty = none.",
-    )
     sample_hook_path: str = Field(
         "",
         description="module:attr of fn(sample) -> None called on every generated sample before its reward (edit "
@@ -243,18 +236,6 @@ class RolloutConfig(_Section):
                 f"rollout.generate_path is {self.generate_path!r}; expected module:attr of a group-generate factory, "
                 "e.g. --rollout.generate-path my_pkg.agents:build_generate"
             )
-        if self.rollout_path and (self.generate_path or self.mode != "generate"):
-            other = (
-                f"rollout.generate_path is {self.generate_path!r}"
-                if self.generate_path
-                else f"rollout.mode is {self.mode!r}"
-            )
-            raise ValueError(
-                f"rollout.rollout_path is {self.rollout_path!r} but {other}: a rollout function replaces the built-in "
-                "rollout of rollout.mode generate. Keep one of --rollout.rollout-path and --rollout.generate-path, "
-                "with --rollout.mode generate."
-            )
-        check_plugin_path("rollout.rollout_path", self.rollout_path, "my_pkg.rollouts:build_rollout")
         check_plugin_path("rollout.sample_hook_path", self.sample_hook_path, "my_pkg.hooks:tag_sample")
         for key, value, off, flag in (
             ("top_p", self.sampling.top_p, 1.0, "--rollout.sampling.top-p 1.0"),

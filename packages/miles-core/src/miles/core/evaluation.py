@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from miles.core.buffer import generate_samples
 from miles.core.config import EvalConfig
 from miles.core.sample import Sample, SampleStatus, group_samples
 
@@ -67,14 +68,14 @@ def set_metrics(samples: Sequence[Sample], settings: EvalConfig | EvalSetConfig,
 
 def _generate(c: Components, prompts: Sequence[Sample], settings: EvalConfig | EvalSetConfig) -> list[Sample]:
     bar = c.progress(len(prompts) * settings.n_samples_per_prompt) if c.progress is not None else None
-    progress = {"on_finished": bar.update} if bar is not None else {}  # rollout fns never given a bar may lack it
     try:
-        return c.rollout_fn(
+        return generate_samples(
             list(prompts),
+            c.generate_group,
             n_samples_per_prompt=settings.n_samples_per_prompt,
             sampling=settings.sampling,
             seed=0,  # the same seed every time: evaluations differ only by the weights
-            **progress,
+            on_group=bar.update if bar is not None else None,
         )
     finally:
         if bar is not None:

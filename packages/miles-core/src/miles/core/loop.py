@@ -34,7 +34,7 @@ from miles.core.algorithms.masking import (
 from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.algorithms.registry import ESTIMATORS
 from miles.core.batch import TrainBatch, build_train_batch
-from miles.core.buffer import RolloutGroups, collect_groups
+from miles.core.buffer import collect_groups
 from miles.core.config import AlgorithmConfig, CriticConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
 from miles.core.evaluation import evaluate, has_eval
 from miles.core.logs import warn_once
@@ -48,7 +48,6 @@ from miles.core.protocols import (
     MetricsSink,
     ProgressBar,
     RewardFn,
-    RolloutFn,
     SampleHook,
     TrainBackend,
     TrainHooks,
@@ -108,7 +107,8 @@ class Components:
     """Everything the loop drives, built by the caller (the recipes CLI or a user script)."""
 
     data_source: DataSource
-    rollout_fn: RolloutFn
+    # The rollout, one prompt at a time: training (the producer / buffer path, sync or async), evaluation and SFT.
+    generate_group: GroupGenerateFn
     reward_fn: RewardFn
     backend: TrainBackend
     publisher: WeightPublisher  # trainer weights -> engines, one version per step
@@ -120,12 +120,8 @@ class Components:
     save_checkpoint: Callable[[int], Path | None] | None = None
     # Polled between steps; True ends the run early (a Ctrl-C/SIGTERM asked for a clean stop).
     should_stop: Callable[[], bool] = lambda: False
-    # Opens a bar over an evaluation's number of samples; the rollout function then gets ``on_finished`` (it must
-    # accept it). None: no eval progress, and the rollout function is called without it.
+    # Opens a bar over an evaluation's number of samples, advanced by each group as it completes. None: no bar.
     progress: Callable[[int], ProgressBar] | None = None
-    # Training rollouts one prompt at a time (the producer / buffer path an async loop uses); None: ``rollout_fn``
-    # serves them too, adapted to groups (``RolloutGroups``: one batch call per round). Evaluation uses rollout_fn.
-    generate_group: GroupGenerateFn | None = None
     # Called after each step: raises if an engine is out of service for good (the run stops there), else returns
     # engine metrics merged into the step's record (the engine supervisor's ``check``: engine/restarts, ...).
     engine_health: Callable[[], dict[str, float]] | None = None
@@ -168,24 +164,19 @@ def train(
 
     In the one_step_off and fully_async modes a ``RolloutProducer`` generates ahead; ``components.data_source``
     should then be a ``PromptQueue`` (what a checkpoint stores of it counts trained prompts only; any other source
-    is wrapped in one, fine for runs that never resume) and ``components.generate_group`` must be set. Evaluations
-    run between steps on the weights just published (``eval/weight_version``).
+    is wrapped in one, fine for runs that never resume). Evaluations run between steps on the weights just
+    published (``eval/weight_version``).
     Returns: the number of completed steps (``loop.num_steps`` unless stopped early).
     Raises: before anything runs: ValueError if ``algorithm`` needs groups of >= 2 samples and ``rollout`` has one
-        (``check_group_size``, the rule the root config also applies), or for an async mode without
-        ``generate_group`` or with dynamic sampling; ImportError/AttributeError/TypeError naming the key of a plugin
-        that does not load or has the wrong signature.
+        (``check_group_size``, the rule the root config also applies), or for an async mode with dynamic sampling;
+        ImportError/AttributeError/TypeError naming the key of a plugin that does not load or has the wrong
+        signature.
     """
     check_group_size(rollout, algorithm)
     plugins = load_algorithm_plugins(algorithm)  # once per run; every step's stages use these
     c = components
     producer = None
     if loop.mode != "sync":
-        if c.generate_group is None:
-            raise ValueError(
-                f"loop.mode {loop.mode} needs a group-generate function (Components.generate_group); "
-                "rollout.mode sft generates nothing: use --loop.mode sync"
-            )
         if algorithm.dynamic_sampling is not None:
             raise ValueError(
                 f"algorithm.dynamic_sampling is not supported with loop.mode {loop.mode} yet: use --loop.mode sync, "
@@ -550,13 +541,12 @@ def collect_samples(
         missing = rollout.rollout_batch_size - len(kept)
         num_prompts = missing if round_index == 0 else math.ceil(missing * dynamic.over_sample)
         # The parts of the async loop with a buffer of one round: a producer runs the group-generate function per
-        # prompt (or the batch rollout function, adapted: one call per round) into a bounded buffer; groups come back
-        # in prompt order.
+        # prompt into a bounded buffer; groups come back in prompt order.
         seed = rollout.seed + 1_000_003 * step + 7_919 * round_index
         groups = asyncio.run(
             collect_groups(
                 c.data_source.next_prompts(num_prompts),
-                c.generate_group or RolloutGroups(c.rollout_fn, seed=seed),
+                c.generate_group,
                 n_samples_per_prompt=rollout.n_samples_per_prompt,
                 sampling=rollout.sampling,
                 seed=seed,

@@ -48,15 +48,8 @@ EXTENSION_POINTS: dict[str, ExtensionPoint] = {
     p.key: p
     for p in (
         ExtensionPoint(
-            "rollout.rollout_path",
-            "(context: GenerateContext) -> RolloutFn: a factory of the whole rollout step (prompts -> samples)",
-            1,
-            "miles.core.protocols.RolloutFn",
-            "rollout_fn:build_rollout",
-        ),
-        ExtensionPoint(
             "rollout.generate_path",
-            "(context: GenerateContext) -> GroupGenerateFn: a factory of the async per-prompt group function",
+            "(context: GenerateContext) -> GroupGenerateFn: a factory of the rollout (one prompt -> its n samples)",
             1,
             "miles.core.protocols.GroupGenerateFn",
             "group_generate:build_generate",

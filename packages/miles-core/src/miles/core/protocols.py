@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -112,15 +112,10 @@ class Engine(Protocol):
         """Version of the weights the engine holds: 0 before any update, then the publisher's versions."""
         ...
 
-    async def generate(
-        self, request: GenerateRequest, *, on_finished: Callable[[], None] | None = None
-    ) -> GenerateOutput:
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """Sample a response for one request; returns when it is complete (or aborted).
 
         While the engine is paused the request is queued and starts after ``resume``.
-        ``on_finished``, for progress display only, is called once when the response has finished sampling (it
-        may come before the output is returned, and from another thread); it changes nothing that is sampled.
-        Callers pass it only when they show progress, so an engine that is never given one may leave it out.
         Raises: ValueError for an empty prompt; RequestFailed when this request alone failed (server engines);
             whatever the engine raised while generating the request.
         """
@@ -170,29 +165,6 @@ class DataSource(Protocol):
         ...
 
 
-class RolloutFn(Protocol):
-    """Turns prompts into completed samples: n per prompt, sharing the prompt's ``group_index``.
-
-    Returned samples have ``tokens``, ``response_length``, ``rollout_log_probs``, ``status`` (COMPLETED, TRUNCATED,
-    ABORTED or FAILED) and ``weight_versions`` / ``weight_version`` set; rewards are not yet computed.
-
-    ``on_finished``, for progress display only, is called with the number of samples that just finished
-    (generated, or failed before generation), as they finish; the counts sum to the number of samples returned.
-    The loop passes it only when ``Components.progress`` is set, so a rollout function used without one may leave
-    it out. It must not change what is sampled.
-    """
-
-    def __call__(
-        self,
-        prompts: Sequence[Sample],
-        *,
-        n_samples_per_prompt: int,
-        sampling: SamplingConfig,
-        seed: int,
-        on_finished: Callable[[int], None] | None = None,
-    ) -> list[Sample]: ...
-
-
 class GroupGenerateFn(Protocol):
     """Turns one prompt into its group of n samples; may run many turns (tools, environments) per sample.
 
@@ -201,7 +173,10 @@ class GroupGenerateFn(Protocol):
     with ``metadata["failure"]``) and ``weight_versions`` / ``weight_version`` set; rewards are not yet computed.
     ``index`` is set by the caller (the producer numbers samples by the prompt's position in its step).
     ``seeds`` holds one sampling seed per sample, so a sample's response depends only on its seed, the prompt, the
-    settings and the weights, not on what else runs. ``on_finished`` is as in ``RolloutFn``.
+    settings and the weights, not on what else runs.
+
+    It is the one rollout protocol: training (sync and async), evaluation and SFT all run it per prompt through
+    the producer (``miles.core.buffer``), which numbers the samples, buffers the groups and reports progress.
     """
 
     async def __call__(
@@ -211,7 +186,6 @@ class GroupGenerateFn(Protocol):
         n: int,
         sampling: SamplingConfig,
         seeds: Sequence[int],
-        on_finished: Callable[[int], None] | None = None,
     ) -> list[Sample]: ...
 
 

@@ -148,12 +148,6 @@ class MilesConfig(BaseModel):
                 f"loop.mode is {mode!r} but algorithm.dynamic_sampling is on, which the asynchronous loops do not "
                 "support yet. Set --loop.mode sync, or --algorithm.dynamic-sampling null."
             )
-        if self.rollout.rollout_path:
-            raise ValueError(
-                f"loop.mode is {mode!r} but rollout.rollout_path is {self.rollout.rollout_path!r}: a rollout function "
-                "generates a whole step at once, and the asynchronous loops generate one prompt's group at a time. "
-                "Set --loop.mode sync, or give a group-generate factory with --rollout.generate-path."
-            )
         loop_pause = self.loop.pause_mode
         engine_pause = getattr(self.engine, "pause_mode", None)
         if loop_pause is not None and "pause_mode" in self.engine.model_fields_set and engine_pause != loop_pause:
@@ -264,6 +258,12 @@ RENAMED_KEYS = {
     "algorithm.value_clip": "models.critic.value_clip",
     "algorithm.teacher_path": "models.teacher.path",
     "algorithm.teacher_temperature": "models.teacher.temperature",
+}
+
+# Keys Miles no longer has -> what replaces them, for the unknown-key message.
+REMOVED_KEYS = {
+    "rollout.rollout_path": "a whole-step rollout function is no longer a rollout protocol: write a group-generate "
+    "factory (one prompt -> its n samples; docs/extending.md) and give it with --rollout.generate-path",
 }
 
 

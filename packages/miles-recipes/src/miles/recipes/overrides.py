@@ -68,7 +68,7 @@ def format_validation_error(err: Any, model: type[BaseModel] | None = None) -> s
     an unknown key lists the valid keys of its section (``model`` is the root config class) and, for a key of the
     flat layout of an older Miles, where it lives now.
     """
-    from miles.recipes.config import RENAMED_KEYS
+    from miles.recipes.config import REMOVED_KEYS, RENAMED_KEYS
 
     lines = ["invalid configuration:"]
     for e in err.errors():
@@ -83,6 +83,8 @@ def format_validation_error(err: Any, model: type[BaseModel] | None = None) -> s
             message = "unknown key"
         if key in RENAMED_KEYS:
             message += f" (a key of the flat layout of an older Miles; it is now {RENAMED_KEYS[key]})"
+        if key in REMOVED_KEYS:
+            message += f" (removed: {REMOVED_KEYS[key]})"
         if e["type"] == "extra_forbidden" and section is not None:
             message += f"; valid keys here: {', '.join(section.model_fields)}"
             message += _other_member_hint(model, parts, section)

@@ -410,7 +410,6 @@ class RunPlugins:
     sample_hook: Any = None
     group_reward_fn: Any = None
     eval_fn: Any = None
-    rollout_factory: Any = None
     hook_factories: tuple[Any, ...] = ()
     sink_factories: tuple[Any, ...] = ()
 
@@ -440,8 +439,8 @@ class RunPlugins:
 
 
 def load_run_plugins(cfg: MilesConfig) -> RunPlugins:
-    """Import and check ``rollout.sample_hook_path``, ``reward.group_path``, ``eval.path``, ``rollout.rollout_path``,
-    ``run.hooks`` and ``run.sinks`` (nothing is built).
+    """Import and check ``rollout.sample_hook_path``, ``reward.group_path``, ``eval.path``, ``run.hooks`` and
+    ``run.sinks`` (nothing is built).
 
     Raises: RunSetupError with one line naming the key and the expected signature.
     """
@@ -454,7 +453,6 @@ def load_run_plugins(cfg: MilesConfig) -> RunPlugins:
             sample_hook=load("rollout.sample_hook_path", cfg.rollout.sample_hook_path),
             group_reward_fn=load("reward.group_path", cfg.reward.group_path),
             eval_fn=load("eval.path", cfg.eval.path),
-            rollout_factory=load("rollout.rollout_path", cfg.rollout.rollout_path),
             hook_factories=tuple(load(f"run.hooks[{i}]", p) for i, p in enumerate(cfg.run.hooks)),
             sink_factories=tuple(load(f"run.sinks[{i}]", p) for i, p in enumerate(cfg.run.sinks)),
         )
@@ -527,50 +525,38 @@ def build_probe(cfg: MilesConfig, tokenizer: Any) -> LogProbProbe | None:
     )
 
 
-def build_rollout(cfg: MilesConfig, engine: Any, tokenizer: Any, plugins: RunPlugins) -> tuple[Any, Any]:
-    """(rollout function, group-generate function or None) of a run: SFT's reference answers, the
-    ``rollout.rollout_path`` factory's function, the ``rollout.generate_path`` (or multi-turn) factory's group
-    function batched by ``GroupRollout``, or the built-in single-turn ``ChatRollout``.
+def build_rollout(cfg: MilesConfig, engine: Any, tokenizer: Any) -> Any:
+    """The run's group-generate function (``GroupGenerateFn``), for training and eval: SFT's reference answers, the
+    ``rollout.generate_path`` (or multi-turn) factory's function, or the built-in single-turn ``ChatRollout``.
 
     Raises: RunSetupError with one line for what a factory refuses or returns.
     """
     from miles.rollout.generate import ChatRollout
-    from miles.rollout.generate_factory import GenerateContext, GroupRollout, build_generate_fn, generate_factory_path
+    from miles.rollout.generate_factory import GenerateContext, build_generate_fn, generate_factory_path
     from miles.rollout.sft import SFTRollout
 
-    if cfg.rollout.mode == "sft":  # reference answers, no generation: a batch function is enough
-        return SFTRollout(tokenizer), None
-    context = GenerateContext(
-        engine=engine,
-        tokenizer=tokenizer,
-        rollout=cfg.rollout,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-        mask_stale_segments=cfg.loop.mask_stale_segments,
-    )
-    if plugins.rollout_factory is not None:  # rollout.rollout_path: the whole step, training and eval
-        rollout_fn = plugins.rollout_factory(context)
-        if not callable(rollout_fn):
-            raise RunSetupError(
-                f"rollout.rollout_path: {cfg.rollout.rollout_path!r} returned a {type(rollout_fn).__name__}, not "
-                "a RolloutFn: return a callable (prompts, *, n_samples_per_prompt, sampling, seed) -> list[Sample]"
-            )
-        return rollout_fn, None
+    if cfg.rollout.mode == "sft":  # reference answers, no generation
+        return SFTRollout(tokenizer)
     if generate_factory_path(cfg.rollout) is not None:  # rollout.generate_path, or multi_turn's built-in one
+        context = GenerateContext(
+            engine=engine,
+            tokenizer=tokenizer,
+            rollout=cfg.rollout,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            mask_stale_segments=cfg.loop.mask_stale_segments,
+        )
         try:  # imports were checked by build_inputs; this is what the factory itself refuses (before the run
             # directory is written, like every other build failure)
-            generate_group = build_generate_fn(cfg.rollout, context)
+            return build_generate_fn(cfg.rollout, context)
         except (ValueError, TypeError) as err:
             raise RunSetupError(" ".join(str(err).split())) from err
-        return GroupRollout(generate_group), generate_group  # eval: the same function, batched over eval prompts
-    # Training rollouts per prompt into the buffer; eval through the batch form of the same rollout.
-    chat = ChatRollout(
+    return ChatRollout(
         engine,
         tokenizer,
         max_prompt_tokens=cfg.data.max_prompt_tokens,
         max_resubmits=cfg.rollout.max_resubmits,
         mask_stale_segments=cfg.loop.mask_stale_segments,
     )
-    return chat, chat.generate_group
 
 
 def evaluate_model(cfg: MilesConfig, *, log_dir: Path) -> dict[str, float]:
@@ -600,10 +586,10 @@ def evaluate_model(cfg: MilesConfig, *, log_dir: Path) -> dict[str, float]:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         launched = launch_engine(cfg.engine, model_path, log_dir=log_dir, seed=cfg.rollout.seed)
         stack.callback(launched.close)
-        rollout_fn, _ = build_rollout(cfg, launched.engine, tokenizer, plugins)
+        generate_group = build_rollout(cfg, launched.engine, tokenizer)
         components = Components(
             data_source=None,  # type: ignore[arg-type] - evaluation reads no training data
-            rollout_fn=rollout_fn,
+            generate_group=generate_group,
             reward_fn=reward_fn,
             backend=None,  # type: ignore[arg-type] - nor a trainer
             publisher=None,  # type: ignore[arg-type] - nor publishes weights (no eval/weight_version)
@@ -695,7 +681,7 @@ def run(
         pause_mode = cfg.loop.pause_mode or getattr(cfg.engine, "pause_mode", "keep")
         probe = build_probe(cfg, tokenizer)
         publisher = EnginePublisher(backend, [engine], pause_mode=pause_mode, probe=probe)
-        rollout_fn, generate_group = build_rollout(cfg, engine, tokenizer, plugins)
+        generate_group = build_rollout(cfg, engine, tokenizer)
         logger.info(
             "loaded %s (engine: %s; trainer %s) in %.1fs",
             model_path,
@@ -771,7 +757,6 @@ def run(
 
         components = Components(
             data_source=data_source,
-            rollout_fn=rollout_fn,
             generate_group=generate_group,
             reward_fn=reward_fn,
             backend=backend,

@@ -16,7 +16,7 @@ import asyncio
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from miles.core.config import SamplingConfig
@@ -63,7 +63,6 @@ class AgentRollout:
         n: int,
         sampling: SamplingConfig,
         seeds: Sequence[int],
-        on_finished: Callable[[int], None] | None = None,
     ) -> list[Sample]:
         """``GroupGenerateFn``: n sessions of one prompt, their agents run concurrently; sample j's turn k samples
         with ``sample_seed(seeds[j], k)``. Returns: n samples, index 0 .. n-1 (see ``SessionServer.close_session``;
@@ -72,15 +71,14 @@ class AgentRollout:
             raise ValueError(f"generate_group got {len(seeds)} seeds for n={n} samples; pass one seed per sample")
         await asyncio.to_thread(self._acquire)
         try:
-            samples = await asyncio.gather(*(self._one(prompt, sampling, seed, on_finished) for seed in seeds))
+            samples = await asyncio.gather(*(self._one(prompt, sampling, seed) for seed in seeds))
         finally:
             await asyncio.to_thread(self._release)
         for j, sample in enumerate(samples):
             sample.index = j
         return samples
 
-    async def _one(self, prompt: Sample, sampling: SamplingConfig, seed: int,
-                   on_finished: Callable[[int], None] | None) -> Sample:  # fmt: skip
+    async def _one(self, prompt: Sample, sampling: SamplingConfig, seed: int) -> Sample:
         session_id = self.server.open(
             prompt, sampling=sampling, seed=seed, max_response_tokens=self.max_response_tokens
         )
@@ -96,8 +94,6 @@ class AgentRollout:
         sample = self.server.close_session(session_id)
         if failure is not None and sample.status != SampleStatus.FAILED:
             fail_sample(sample, failure, sample.tokens[: sample.prompt_length])
-        if on_finished is not None:
-            on_finished(1)
         return sample
 
     def _acquire(self) -> None:

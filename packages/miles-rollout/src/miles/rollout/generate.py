@@ -1,4 +1,4 @@
-"""The default group-generate and rollout functions: chat-template prompts, n samples each, token-in-token-out
+"""The default group-generate function: chat-template prompts, n samples each, token-in-token-out
 through an engine, one request per sample."""
 
 from __future__ import annotations
@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from miles.core.buffer import collect_groups
 from miles.core.config import SamplingConfig
 from miles.core.protocols import Engine, GenerateOutput, GenerateRequest, RequestFailed
 from miles.core.sample import Sample, SampleStatus
@@ -59,7 +58,6 @@ async def generate_group(
     max_prompt_tokens: int = 2048,
     max_resubmits: int = 0,
     mask_stale_segments: bool = False,
-    on_finished: Callable[[int], None] | None = None,
 ) -> list[Sample]:
     """The default group-generate function (``GroupGenerateFn`` once engine and tokenizer are bound): renders the
     prompt once and asks the engine for ``n`` single-turn responses concurrently, sample j with ``seeds[j]``.
@@ -81,8 +79,6 @@ async def generate_group(
             only its newest segment: the tokens sampled by older weights get ``loss_mask`` 0 (slime's
             mask-offpolicy-in-partial-rollout). Needs an engine that reports ``segment_lengths``; otherwise every
             token is trained.
-        on_finished: progress only: called with n at once when the prompt fails, else with 1 once per sample as
-            its response finishes (from the engine, which may call it from another thread).
     Returns: n samples, index 0 .. n-1 (the producer renumbers them), status COMPLETED ("stop"), TRUNCATED
         ("length"), ABORTED ("abort": cut off by ``Engine.pause``; the partial response is kept, not trained) or
         FAILED (bad prompt or engine output, or a ``RequestFailed`` request; reason in ``metadata["failure"]``,
@@ -104,30 +100,16 @@ async def generate_group(
         for sample in samples:
             sample.status = SampleStatus.FAILED
             sample.metadata["failure"] = str(err)
-        if on_finished is not None:
-            on_finished(n)
         return samples
 
     async def generate_one(sample: Sample, seed: int) -> None:
-        counted = False
-
-        def progress() -> None:  # once per sample, even if it is resubmitted
-            nonlocal counted
-            if not counted:
-                counted = True
-                on_finished(1)
-
-        # The callback goes to the engine only when given, so engines without progress support keep working.
-        kwargs = {"on_finished": progress} if on_finished is not None else {}
         sample.tokens = list(prompt_tokens)
         for attempt in range(max_resubmits + 1):
             try:
-                output = await engine.generate(GenerateRequest(prompt_tokens, sampling, seed=seed), **kwargs)
+                output = await engine.generate(GenerateRequest(prompt_tokens, sampling, seed=seed))
             except RequestFailed as err:
                 sample.status = SampleStatus.FAILED
                 sample.metadata["failure"] = str(err)
-                if on_finished is not None:
-                    progress()
                 return
             if output.finish_reason != "abort" or attempt == max_resubmits:
                 break
@@ -174,18 +156,15 @@ FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATE
 
 
 class ChatRollout:
-    """``RolloutFn`` built from the loop's parts: ``generate_group`` per prompt, run by the producer into a buffer
-    (``miles.core.buffer.collect_groups``); sample i of a call is sampled with ``sample_seed(seed, i)``.
-
-    ``generate_group`` is this rollout as a ``GroupGenerateFn``, for producers that run groups themselves.
-    Calling the rollout runs its own event loop, so it cannot be called from inside one (use ``generate_group``).
+    """The built-in single-turn rollout as a ``GroupGenerateFn``: ``generate_group`` with this engine, tokenizer and
+    settings bound. The producer (``miles.core.buffer``) runs it per prompt for training and eval.
 
     Args:
         engine: any ``miles.core.Engine``.
         tokenizer: the policy's HF tokenizer (chat template); None if every prompt is given as token ids.
         max_prompt_tokens: longer prompts are marked FAILED (counted, not trained) instead of crashing.
-        max_resubmits: times a response cut off by ``pause("abort")`` is requested again (``generate_group``).
-        mask_stale_segments: train only the newest segment of a partial rollout (``generate_group``).
+        max_resubmits: times a response cut off by ``pause("abort")`` is requested again.
+        mask_stale_segments: train only the newest segment of a partial rollout.
     """
 
     def __init__(
@@ -203,15 +182,7 @@ class ChatRollout:
         self.max_resubmits = max_resubmits
         self.mask_stale_segments = mask_stale_segments
 
-    async def generate_group(
-        self,
-        prompt: Sample,
-        *,
-        n: int,
-        sampling: SamplingConfig,
-        seeds: Sequence[int],
-        on_finished: Callable[[int], None] | None = None,
-    ) -> list[Sample]:
+    async def __call__(self, prompt: Sample, *, n: int, sampling: SamplingConfig, seeds: Sequence[int]) -> list[Sample]:
         """``GroupGenerateFn``: the module's ``generate_group`` with this rollout's engine and tokenizer."""
         return await generate_group(
             self.engine,
@@ -223,27 +194,4 @@ class ChatRollout:
             max_prompt_tokens=self.max_prompt_tokens,
             max_resubmits=self.max_resubmits,
             mask_stale_segments=self.mask_stale_segments,
-            on_finished=on_finished,
         )
-
-    def __call__(
-        self,
-        prompts: Sequence[Sample],
-        *,
-        n_samples_per_prompt: int,
-        sampling: SamplingConfig,
-        seed: int,
-        on_finished: Callable[[int], None] | None = None,
-    ) -> list[Sample]:
-        """``RolloutFn``: samples in prompt order, index 0 .. len(prompts) * n - 1."""
-        groups = asyncio.run(
-            collect_groups(
-                prompts,
-                self.generate_group,
-                n_samples_per_prompt=n_samples_per_prompt,
-                sampling=sampling,
-                seed=seed,
-                on_finished=on_finished,
-            )
-        )
-        return [sample for group in groups for sample in group]

@@ -1,5 +1,5 @@
 """The ``rollout.generate_path`` extension point: a factory, named ``module:attr``, that builds the group-generate
-function (``GroupGenerateFn``) of a run from typed parts, and the batch rollout function over any such function.
+function (``GroupGenerateFn``, the one rollout protocol) of a run from typed parts.
 
 A factory is called once at start-up with a ``GenerateContext`` and returns an async callable with the
 ``GroupGenerateFn`` signature; the built-in multi-turn rollout (``miles.rollout.multiturn:build_multi_turn``) is one::
@@ -10,17 +10,13 @@ A factory is called once at start-up with a ``GenerateContext`` and returns an a
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from miles.core.buffer import collect_groups
-from miles.core.config import RolloutConfig, SamplingConfig
+from miles.core.config import RolloutConfig
 from miles.core.plugins import load_plugin
 from miles.core.protocols import Engine, GroupGenerateFn
-from miles.core.sample import Sample
 
 KEY = "rollout.generate_path"
 # The factory of each rollout.mode that has one when rollout.generate_path is empty.
@@ -104,7 +100,7 @@ def build_generate_fn(rollout: RolloutConfig, context: GenerateContext) -> Group
     if not is_async:
         raise TypeError(
             f"{KEY}: {generate_factory_path(rollout)!r} returned a {type(generate_group).__name__}, not an async "
-            "group-generate function: return an `async def f(prompt, *, n, sampling, seeds, on_finished=None)`"
+            "group-generate function: return an `async def f(prompt, *, n, sampling, seeds)`"
         )
     try:
         inspect.signature(generate_group).bind(None, n=1, sampling=None, seeds=[0])
@@ -114,35 +110,3 @@ def build_generate_fn(rollout: RolloutConfig, context: GenerateContext) -> Group
             f"seeds): {err}"
         ) from err
     return generate_group
-
-
-class GroupRollout:
-    """``RolloutFn`` over a ``GroupGenerateFn``: the groups of all prompts generated concurrently (the sync loop's
-    ``collect_groups``), as one list in prompt order, index 0 .. len(prompts) * n - 1. What eval calls.
-
-    It runs its own event loop, so it cannot be called from inside one (call the group function there).
-    """
-
-    def __init__(self, generate_group: GroupGenerateFn) -> None:
-        self.generate_group = generate_group
-
-    def __call__(
-        self,
-        prompts: Sequence[Sample],
-        *,
-        n_samples_per_prompt: int,
-        sampling: SamplingConfig,
-        seed: int,
-        on_finished: Callable[[int], None] | None = None,
-    ) -> list[Sample]:
-        groups = asyncio.run(
-            collect_groups(
-                prompts,
-                self.generate_group,
-                n_samples_per_prompt=n_samples_per_prompt,
-                sampling=sampling,
-                seed=seed,
-                on_finished=on_finished,
-            )
-        )
-        return [sample for group in groups for sample in group]

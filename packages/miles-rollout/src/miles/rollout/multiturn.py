@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from miles.core.buffer import sample_seed
@@ -107,7 +107,6 @@ class MultiTurnRollout:
         n: int,
         sampling: SamplingConfig,
         seeds: Sequence[int],
-        on_finished: Callable[[int], None] | None = None,
     ) -> list[Sample]:
         """``GroupGenerateFn``: n multi-turn samples of one prompt, run concurrently (the engine batches their turns);
         sample j's turn k is sampled with seed ``sample_seed(seeds[j], k)``.
@@ -135,16 +134,10 @@ class MultiTurnRollout:
             for sample in samples:
                 sample.status = SampleStatus.FAILED
                 sample.metadata["failure"] = str(err)
-            if on_finished is not None:
-                on_finished(n)
             return samples
-
-        async def one(sample: Sample, seed: int) -> None:
-            await self._generate_sample(sample, prompt_tokens, sampling=sampling, seed=seed)
-            if on_finished is not None:
-                on_finished(1)
-
-        await asyncio.gather(*(one(sample, seed) for sample, seed in zip(samples, seeds)))
+        await asyncio.gather(
+            *(self._generate_sample(s, prompt_tokens, sampling=sampling, seed=seed) for s, seed in zip(samples, seeds))
+        )
         return samples
 
     async def _generate_sample(self, sample: Sample, prompt_tokens: list[int], *, sampling: SamplingConfig,

@@ -3,7 +3,7 @@ assistant turns of a multi-turn conversation are trained (the loss mask)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from miles.core.config import SamplingConfig
@@ -57,8 +57,8 @@ def reference_answer(sample: Sample) -> str:
 
 
 class SFTRollout:
-    """``RolloutFn`` for supervised fine-tuning: no generation; each prompt's messages plus its reference answer as
-    the assistant turn become one COMPLETED sample (n_samples_per_prompt copies), trained on assistant tokens only.
+    """``GroupGenerateFn`` for supervised fine-tuning: no generation; a prompt's messages plus its reference answer
+    as the assistant turn become one COMPLETED sample (n copies), trained on assistant tokens only.
 
     Args:
         tokenizer: the policy's HF tokenizer (chat template).
@@ -67,37 +67,24 @@ class SFTRollout:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def __call__(
-        self,
-        prompts: Sequence[Sample],
-        *,
-        n_samples_per_prompt: int,
-        sampling: SamplingConfig,
-        seed: int,
-        on_finished: Callable[[int], None] | None = None,
-    ) -> list[Sample]:
-        samples = []
-        for prompt in prompts:
-            messages = (
-                prompt.prompt if isinstance(prompt.prompt, list) else [{"role": "user", "content": prompt.prompt}]
+    async def __call__(self, prompt: Sample, *, n: int, sampling: SamplingConfig, seeds: Sequence[int]) -> list[Sample]:
+        """The group of ``prompt``: n identical samples (``sampling`` and ``seeds`` are not used), index 0 .. n-1.
+        Raises: ValueError when the chat template cannot render the conversation consistently."""
+        messages = prompt.prompt if isinstance(prompt.prompt, list) else [{"role": "user", "content": prompt.prompt}]
+        if not any(m["role"] == "assistant" for m in messages):
+            messages = [*messages, {"role": "assistant", "content": reference_answer(prompt)}]
+        tokens, prompt_length, loss_mask = multi_turn_tokens(self.tokenizer, messages)
+        return [
+            Sample(
+                index=j,
+                group_index=prompt.group_index,
+                prompt=prompt.prompt,
+                label=prompt.label,
+                tokens=list(tokens),
+                response_length=len(tokens) - prompt_length,
+                loss_mask=list(loss_mask),
+                status=SampleStatus.COMPLETED,
+                metadata=dict(prompt.metadata),
             )
-            if not any(m["role"] == "assistant" for m in messages):
-                messages = [*messages, {"role": "assistant", "content": reference_answer(prompt)}]
-            tokens, prompt_length, loss_mask = multi_turn_tokens(self.tokenizer, messages)
-            for _ in range(n_samples_per_prompt):
-                samples.append(
-                    Sample(
-                        index=len(samples),
-                        group_index=prompt.group_index,
-                        prompt=prompt.prompt,
-                        label=prompt.label,
-                        tokens=list(tokens),
-                        response_length=len(tokens) - prompt_length,
-                        loss_mask=list(loss_mask),
-                        status=SampleStatus.COMPLETED,
-                        metadata=dict(prompt.metadata),
-                    )
-                )
-        if on_finished is not None:  # nothing is generated: every sample is done at once
-            on_finished(len(samples))
-        return samples
+            for j in range(n)
+        ]

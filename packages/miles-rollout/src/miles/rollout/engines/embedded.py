@@ -19,7 +19,7 @@ import functools
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -58,7 +58,6 @@ class _Job:
     request: GenerateRequest
     future: concurrent.futures.Future
     generator: torch.Generator
-    on_finished: Callable[[], None] | None
     response_tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
@@ -211,14 +210,11 @@ class EmbeddedEngine:
     def weight_version(self) -> int:
         return self.receiver.weight_version
 
-    async def generate(
-        self, request: GenerateRequest, *, on_finished: Callable[[], None] | None = None
-    ) -> GenerateOutput:
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """Sample a response for one request (``Engine.generate``).
 
         Requests submitted in the same event-loop turn (``asyncio.gather``) are queued together, so they share
-        batches. ``on_finished`` is called from the worker thread once the response has finished sampling: inside
-        the decode loop when it samples a stop token, else after its batch.
+        batches.
         Raises: ValueError for an empty prompt; WeightsReleasedError while the weights are released; the error of a
             failed batch.
         """
@@ -232,23 +228,18 @@ class EmbeddedEngine:
                 )
             seed = request.seed if request.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
-            job = _Job(request, concurrent.futures.Future(), generator, on_finished)
+            job = _Job(request, concurrent.futures.Future(), generator)
             self._incoming.append(job)
         asyncio.get_running_loop().call_soon(self._release)  # after the other submissions of this turn
         return await asyncio.wrap_future(job.future)
 
-    def generate_batch(
-        self, requests: Sequence[GenerateRequest], *, on_finished: Callable[[int], None] | None = None
-    ) -> list[GenerateOutput]:
+    def generate_batch(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         """Synchronous convenience for scripts and tests: all ``requests`` concurrently, outputs in request order.
-
-        ``on_finished`` is called with 1 as each request finishes sampling (progress only). Not for use inside a
-        running event loop (await ``generate`` there).
+        Not for use inside a running event loop (await ``generate`` there).
         """
-        progress = (lambda: on_finished(1)) if on_finished is not None else None
 
         async def run() -> list[GenerateOutput]:
-            return list(await asyncio.gather(*(self.generate(r, on_finished=progress) for r in requests)))
+            return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
         return asyncio.run(run())
 
@@ -471,20 +462,12 @@ class EmbeddedEngine:
 
     def _run_batch(self, batch: list[_Job]) -> None:
         """Generate one segment for every job; resolve finished jobs, and interrupted ones per the pause mode."""
-        jobs_by_row = dict(enumerate(batch))
-
-        def on_stop(rows: list[int]) -> None:
-            for row in rows:
-                if jobs_by_row[row].on_finished is not None:
-                    jobs_by_row[row].on_finished()
-
         with self._model_lock:
             version = self.weight_version
             segments = self._generate_batch(
                 [job.context for job in batch],
                 batch[0].sampling,
                 [job.generator for job in batch],
-                on_stop=on_stop if any(job.on_finished is not None for job in batch) else None,
                 row_abort=self._row_abort,
             )
         self.batch_sizes.append(len(batch))
@@ -502,7 +485,7 @@ class EmbeddedEngine:
             self._queue = retracted + self._queue
             self._interrupted += [job.output("abort") for job in retracted]
         for job, finish_reason in finished:
-            output = self._finish(job, finish_reason, counted=finish_reason == "stop")
+            output = self._finish(job, finish_reason)
             if finish_reason == "abort" and not job.aborted:  # cut off by a pause: pause() returns it
                 with self._state:
                     self._interrupted.append(output)
@@ -674,11 +657,9 @@ class EmbeddedEngine:
                 with self._state:
                     self._interrupted.append(output)
 
-    def _finish(self, job: _Job, finish_reason: FinishReason, *, counted: bool = False) -> GenerateOutput:
-        """Resolve a job's ``generate`` call; ``counted``: its ``on_finished`` was already called while decoding."""
+    def _finish(self, job: _Job, finish_reason: FinishReason) -> GenerateOutput:
+        """Resolve a job's ``generate`` call."""
         output = job.output(finish_reason)
-        if job.on_finished is not None and not counted:
-            job.on_finished()
         job.future.set_result(output)
         return output
 
@@ -690,7 +671,6 @@ class EmbeddedEngine:
         sampling: SamplingConfig,
         generators: list[torch.Generator],
         *,
-        on_stop: Callable[[list[int]], None] | None = None,
         row_abort: RowAbort | None = None,
     ) -> list[tuple[list[int], list[float], FinishReason]]:
         """One ``model.generate`` over left-padded prompts; row b samples with ``generators[b]``.
@@ -720,8 +700,6 @@ class EmbeddedEngine:
             output_logits=self.logprob_mode == "decode",
         )
         criteria = [Interrupt(self._interrupt)]
-        if on_stop is not None:
-            criteria.append(StopCounter(self.stop_token_ids, on_stop))
         if row_abort is not None:
             row_abort.prompt_width = max_len
             criteria.append(row_abort)
@@ -899,34 +877,3 @@ class RowAbort:
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         done[rows] = True
         return done.to(input_ids.device)
-
-
-class StopCounter:
-    """A transformers stopping criterion that stops nothing: it reports the rows that just sampled a stop token to
-    ``on_stop`` (a list of row indices), so progress shows inside one batched ``model.generate`` call.
-
-    It returns all False, so ``generate`` stops, samples and pads exactly as without it. Once a sequence has
-    stopped, ``generate`` pads it with ``pad_token_id`` (a stop token here): ``stopped`` keeps it from counting twice.
-    It has no ``eos_token_id`` attribute on purpose: transformers reads one as "an EOS criterion is present".
-    """
-
-    def __init__(self, stop_token_ids: Sequence[int], on_stop: Callable[[list[int]], None]) -> None:
-        self.stop_token_ids = torch.tensor(list(stop_token_ids))
-        self.on_stop = on_stop
-        self.stopped: Tensor | None = None  # [B] bool, set on the first decode step
-
-    @property
-    def num_stopped(self) -> int:
-        """Sequences that have sampled a stop token so far."""
-        return 0 if self.stopped is None else int(self.stopped.sum())
-
-    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs: object) -> Tensor:
-        """input_ids: [B, L] int64, prompt and tokens so far (the newest last). Returns [B] bool, all False."""
-        hit = torch.isin(input_ids[:, -1], self.stop_token_ids.to(input_ids.device))  # [B]
-        if self.stopped is None:
-            self.stopped = torch.zeros_like(hit)
-        new = (hit & ~self.stopped).nonzero().flatten().tolist()  # host sync, once per decode step: generate syncs too
-        self.stopped |= hit
-        if new:
-            self.on_stop(new)
-        return torch.zeros_like(hit)

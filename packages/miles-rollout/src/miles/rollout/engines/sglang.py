@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -181,10 +181,8 @@ class SGLangEngine:
                     for url in self.worker_urls]  # fmt: skip
         return min(versions)
 
-    async def generate(
-        self, request: GenerateRequest, *, on_finished: Callable[[], None] | None = None
-    ) -> GenerateOutput:
-        """``Engine.generate`` through ``/generate``; ``on_finished`` is called when the answer arrives."""
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """``Engine.generate`` through ``/generate``."""
         if not request.prompt_tokens:
             raise ValueError("a generate request has an empty prompt; every request needs at least one token")
         payload = generate_payload(
@@ -232,8 +230,6 @@ class SGLangEngine:
                 )
             except ValueError as err:  # malformed or non-finite: only this request's sample fails
                 raise RequestFailed(f"{url}/generate: {err}") from None
-            if on_finished is not None:
-                on_finished()
             return output
         raise RequestFailed(
             f"request {request.request_id} got no answer in {self.max_retries + 1} attempts of at most "

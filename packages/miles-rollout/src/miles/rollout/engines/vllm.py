@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -269,9 +269,7 @@ class VLLMEngine:
             body["stop_token_ids"] = self.stop_token_ids
         return body
 
-    async def generate(
-        self, request: GenerateRequest, *, on_finished: Callable[[], None] | None = None
-    ) -> GenerateOutput:
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """Sample one response on the next server (``Engine.generate``).
 
         Raises: ValueError for an empty prompt; RequestFailed (only this request fails) for a rejected request
@@ -303,8 +301,6 @@ class VLLMEngine:
         else:
             output.weight_versions = [version]
             output.weight_version = version
-        if on_finished is not None:
-            on_finished()
         return output
 
     def _post_all(self, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[httpx.Response]:
