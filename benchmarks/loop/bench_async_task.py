@@ -25,15 +25,15 @@ from pathlib import Path
 MODES = ["sync", "one_step_off", "fully_async"]
 
 
-def run_job(engine: str, mode: str, steps: int, out: Path, extra: list[str]) -> dict:
-    """Run one ``miles train``; return per-step rows, their arrival times and the exit code."""
-    run_dir = out / f"{engine}-{mode}"
-    command = [sys.executable, "-m", "miles.recipes.cli", "train", "--run.dir", str(out), "--run.name", run_dir.name]
-    command += ["--engine.type", engine, "--loop.mode", mode, "--loop.num-steps", str(steps), *extra]
+def run_job(name: str, args: list[str], out: Path) -> dict:
+    """Run one ``miles train --run.dir out --run.name name *args``, polling its ``metrics.jsonl``; return the per-step
+    rows, their arrival times (``time.perf_counter``), the exit code and the run directory."""
+    run_dir = out / name
+    command = [sys.executable, "-m", "miles.recipes.cli", "train", "--run.dir", str(out), "--run.name", name, *args]
     metrics = run_dir / "metrics.jsonl"
     rows: dict[int, dict] = {}
     arrival: dict[int, float] = {}
-    with (out / f"{engine}-{mode}.out").open("w") as log:
+    with (out / f"{name}.out").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         seen = 0
         while True:
@@ -64,7 +64,7 @@ def summarize(result: dict, steps: int, samples_per_step: int) -> dict:
         "samples_per_s": samples_per_step * (last - first) / seconds,
         "seconds_per_step": seconds / (last - first),
         "reward": [r["reward/mean"] for r in trained],
-        "eval_before": rows[0].get("eval/reward"),
+        "eval_before": rows.get(0, {}).get("eval/reward"),
         "eval_after": rows[steps].get("eval/reward"),
         "staleness_mean": sum(r.get("staleness/mean", 0.0) for r in trained) / len(trained),
         "staleness_max": max(r.get("staleness/max", 0.0) for r in trained),
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     for engine in args.engines:
         for mode in args.modes:
             start = time.perf_counter()
-            result = run_job(engine, mode, args.steps, out, args.extra)
+            job = ["--engine.type", engine, "--loop.mode", mode, "--loop.num-steps", str(args.steps), *args.extra]
+            result = run_job(f"{engine}-{mode}", job, out)
             if result["returncode"] != 0:
                 sys.exit(f"{engine} {mode} failed with exit {result['returncode']}: see {out}/{engine}-{mode}.out")
             results[engine, mode] = summary = summarize(result, args.steps, samples_per_step)

@@ -435,3 +435,29 @@ def test_a_server_killed_mid_rollout_is_restarted_by_ray_reweighted_and_the_run_
     run_state = json.loads((run_dir / "checkpoints" / "step_3" / "run_state.json").read_text())
     assert run_state["data_source"]["num_prompts"] == 6 and run_state["data_source"]["epoch"] == 0
     assert run_state["weight_version"] == 3  # the lower of the two servers' versions at the end
+
+
+def test_fully_async_on_ray_with_partial_rollouts_keeps_the_bound_and_trains_each_prompt_once(
+    cluster, tiny_smollm2_dir, workdir
+):
+    """The async loop in Ray mode (joining the module's cluster): the producer keeps both servers busy through the
+    router while the 2-rank trainer trains; each update retracts and continues their requests."""
+    ray, address = cluster
+    run_dir = workdir / "fully_async"
+    args = [
+        *_overrides(tiny_smollm2_dir, workdir, "fully_async"), "--execution.ray.address", address,
+        "--loop.mode", "fully_async", "--loop.partial-rollout", "true", "--loop.num-steps", "3",
+        "--loop.save-interval", "0",
+    ]  # fmt: skip
+    rc, stderr = Run(args, workdir).finish(min_children=1)
+    assert rc == 0, stderr[-4000:]
+    _assert_cluster_released(ray, _trainer_pids(run_dir))
+    _assert_ports_free(_server_urls(run_dir))
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["weight_version"] for r in rows] == [1.0, 2.0, 3.0]
+    assert rows[0]["staleness/max"] == 0.0 and all(r["staleness/max"] <= 1.0 for r in rows)  # the bound (1)
+    assert all(r["samples/failed"] == 0.0 and "buffer/groups" in r for r in rows), rows
+    # Every prompt drawn was trained once or is still untrained in the checkpoint's queue: 3 steps x 2 prompts.
+    state = json.loads((run_dir / "checkpoints" / "step_3" / "run_state.json").read_text())
+    drawn, untrained = state["data_source"]["source"]["num_prompts"], state["data_source"]["untrained"]
+    assert drawn - len(untrained) == 6 and state["weight_version"] == 3

@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 from miles.core.batch import build_train_batch
