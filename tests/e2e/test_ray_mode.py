@@ -8,10 +8,10 @@ restarted by Ray, brought to the current weights and re-added to the router, and
 happened.
 
 A run here takes ~2 min, nearly all process start-up on 2 cores (Ray ~30 s, two servers ~40 s, the router ~3 s,
-two trainer ranks ~30-45 s; 2 steps ~5 s), so the module holds five runs: straight (its own cluster), killed,
-resumed, the trainer restart (~2.5 min, ~1 min more than a run: the second trainer's start) and the server kill
-(joining one cluster the test starts, `execution.ray.address`, which saves Ray's start
-each time). The module: ~9 min on an otherwise idle machine (estimated; the server kill alone took 7 min, and
+two trainer ranks ~30-45 s; 2 steps ~5 s), so the module holds six runs: straight (its own cluster), killed,
+resumed, the trainer restart (~2.5 min, ~1 min more than a run: the second trainer's start), the server kill and
+fully_async with partial rollouts (the last two joining one cluster the test starts, `execution.ray.address`, which
+saves Ray's start each time). The module: ~9 min on an otherwise idle machine (estimated; the server kill alone took 7 min, and
 straight + killed + resumed 16 min, while other jobs loaded the 2 cores 4-6x).
 """
 
