@@ -68,7 +68,7 @@ def test_an_eval_set_whose_samples_all_fail_says_why_in_a_warning(caplog):
     from miles.core.evaluation import evaluate
 
     class Components:
-        publisher, progress, eval_prompts = None, None, []
+        publisher, progress, eval_prompts, eval_generate_group = None, None, [], None
         eval_sets = {"gsm8k": [Sample(index=0, group_index=0, prompt=[1])]}
 
         @staticmethod

@@ -11,8 +11,8 @@ A run here takes ~2 min, nearly all process start-up on 2 cores (Ray ~30 s, two 
 two trainer ranks ~30-45 s; 2 steps ~5 s), so the module holds six runs: straight (its own cluster), killed,
 resumed, the trainer restart (~2.5 min, ~1 min more than a run: the second trainer's start), the server kill and
 fully_async with partial rollouts (the last two joining one cluster the test starts, `execution.ray.address`, which
-saves Ray's start each time). The module: ~9 min on an otherwise idle machine (estimated; the server kill alone took 7 min, and
-straight + killed + resumed 16 min, while other jobs loaded the 2 cores 4-6x).
+saves Ray's start each time). The module: ~9.7 min in CI's slow step before the fully_async run (~2 min more; 5 min
+while a CI run shared the cores).
 """
 
 import concurrent.futures

@@ -67,6 +67,9 @@ def test_each_algorithm_recipe_trains_two_steps_on_a_tiny_model(recipe, tiny_smo
         assert any(r["grad_norm"] > 0 for r in train_rows)
     if recipe == "smollm2_sft_arithmetic":  # NLL of a random 49k-vocab model: about ln(49152) = 10.8
         assert all(r["loss"] > 5.0 for r in train_rows)
+        # Eval generates (regression: it scored the reference answers, ~3 tokens, with the SFT rollout): the random
+        # model runs to eval's max_new_tokens (a stop token is ~2 in 49k per token).
+        assert [r["eval/response_length"] for r in rows if "eval/response_length" in r] == [6.0, 6.0]
     if recipe == "smollm2_dapo_arithmetic":
         for r in train_rows:
             assert "tis_clipfrac" in r and 0.0 < r.get("ess_ratio", -1) <= 1.0, r

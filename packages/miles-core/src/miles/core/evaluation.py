@@ -71,7 +71,7 @@ def _generate(c: Components, prompts: Sequence[Sample], settings: EvalConfig | E
     try:
         return generate_samples(
             list(prompts),
-            c.generate_group,
+            c.eval_generate_group or c.generate_group,
             n_samples_per_prompt=settings.n_samples_per_prompt,
             sampling=settings.sampling,
             seed=0,  # the same seed every time: evaluations differ only by the weights

@@ -122,6 +122,9 @@ class Components:
     should_stop: Callable[[], bool] = lambda: False
     # Opens a bar over an evaluation's number of samples, advanced by each group as it completes. None: no bar.
     progress: Callable[[int], ProgressBar] | None = None
+    # The rollout of evaluations when it is not the training one (SFT trains on reference answers but evaluates by
+    # generating); None: generate_group.
+    eval_generate_group: GroupGenerateFn | None = None
     # Called after each step: raises if an engine is out of service for good (the run stops there), else returns
     # engine metrics merged into the step's record (the engine supervisor's ``check``: engine/restarts, ...).
     engine_health: Callable[[], dict[str, float]] | None = None

@@ -269,7 +269,7 @@ class DataSourceFactory(Protocol):
 
 class EvalFn(Protocol):
     """``eval.path``: one evaluation between steps (and before the first, after the last), on the weights just
-    published. Gets the loop's ``Components`` (``rollout_fn``, ``reward_fn``, ``eval_prompts``, ``publisher``) and
+    published. Gets the loop's ``Components`` (``generate_group``, ``reward_fn``, ``eval_prompts``, ``publisher``) and
     the ``eval`` section; returns flat metrics (``eval/...`` names by convention) merged into the step's record.
     ``miles.core.evaluation.evaluate`` is the built-in one."""
 

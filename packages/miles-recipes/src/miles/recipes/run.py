@@ -559,6 +559,16 @@ def build_rollout(cfg: MilesConfig, engine: Any, tokenizer: Any) -> Any:
     )
 
 
+def build_eval_rollout(cfg: MilesConfig, engine: Any, tokenizer: Any) -> Any:
+    """The rollout of evaluations when it differs from the training one, else None: with ``rollout.mode sft`` the
+    built-in single-turn ``ChatRollout`` (SFT trains on the reference answers; its eval generates and scores)."""
+    from miles.rollout.generate import ChatRollout
+
+    if cfg.rollout.mode != "sft":
+        return None
+    return ChatRollout(engine, tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens)
+
+
 def evaluate_model(cfg: MilesConfig, *, log_dir: Path) -> dict[str, float]:
     """Evaluate ``models.policy.path`` alone, as a run evaluates between steps (``miles eval``): the eval function
     (``eval.path``, else the built-in one) over the default eval set and every ``eval.sets`` entry, with the run's
@@ -587,9 +597,11 @@ def evaluate_model(cfg: MilesConfig, *, log_dir: Path) -> dict[str, float]:
         launched = launch_engine(cfg.engine, model_path, log_dir=log_dir, seed=cfg.rollout.seed)
         stack.callback(launched.close)
         generate_group = build_rollout(cfg, launched.engine, tokenizer)
+        eval_generate_group = build_eval_rollout(cfg, launched.engine, tokenizer)
         components = Components(
             data_source=None,  # type: ignore[arg-type] - evaluation reads no training data
             generate_group=generate_group,
+            eval_generate_group=eval_generate_group,
             reward_fn=reward_fn,
             backend=None,  # type: ignore[arg-type] - nor a trainer
             publisher=None,  # type: ignore[arg-type] - nor publishes weights (no eval/weight_version)
@@ -682,6 +694,7 @@ def run(
         probe = build_probe(cfg, tokenizer)
         publisher = EnginePublisher(backend, [engine], pause_mode=pause_mode, probe=probe)
         generate_group = build_rollout(cfg, engine, tokenizer)
+        eval_generate_group = build_eval_rollout(cfg, engine, tokenizer)
         logger.info(
             "loaded %s (engine: %s; trainer %s) in %.1fs",
             model_path,
@@ -758,6 +771,7 @@ def run(
         components = Components(
             data_source=data_source,
             generate_group=generate_group,
+            eval_generate_group=eval_generate_group,
             reward_fn=reward_fn,
             backend=backend,
             publisher=publisher,

@@ -106,7 +106,7 @@ def build_generate_fn(rollout: RolloutConfig, context: GenerateContext) -> Group
         inspect.signature(generate_group).bind(None, n=1, sampling=None, seeds=[0])
     except TypeError as err:
         raise TypeError(
-            f"{KEY}: the function {generate_factory_path(rollout)!r} returned must accept (prompt, *, n, sampling, "
+            f"{KEY}: the function returned by {generate_factory_path(rollout)!r} must accept (prompt, *, n, sampling, "
             f"seeds): {err}"
         ) from err
     return generate_group

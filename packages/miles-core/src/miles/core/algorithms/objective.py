@@ -160,8 +160,9 @@ class PolicyObjective:
         if world_size > 1 or self.kl_loss_coef > 0.0 or entropy_coef > 0.0 or not self.advantage_weighted:
             return batch, 0
         keep = ((batch.advantages != 0) & batch.loss_mask).any(dim=1)
-        if not keep.any():  # keep one row (zero gradient) so that entropy and log-prob metrics are still measured
-            keep[0] = True
+        if not keep.any():  # keep one row (zero gradient) so that entropy and log-prob metrics are still measured:
+            trained = batch.loss_mask.any(dim=1)  # one with a trained token (an aborted empty row measures nothing)
+            keep[int(trained.nonzero()[0, 0]) if trained.any() else 0] = True
         num_skipped = int((~keep).sum())  # host sync
         if num_skipped == 0:
             return batch, 0
@@ -226,8 +227,9 @@ class PolicyObjective:
         tok = dict(mode="token_mean", num_tokens=metrics_num_tokens or counts.num_tokens)
         metrics.update({name: aggregate(v, mb.loss_mask, **tok) for name, v in correction.items()})
         if "train_rollout_logprob_abs_diff" in correction:  # the worst token, which a mean hides
-            abs_diff = correction["train_rollout_logprob_abs_diff"]
-            metrics["train_rollout_logprob_abs_diff_max"] = torch.where(mb.loss_mask, abs_diff, 0.0).amax()
+            abs_diff = torch.where(mb.loss_mask, correction["train_rollout_logprob_abs_diff"], 0.0)
+            # A micro-batch of empty responses (samples aborted before their first token) has no column: max 0.
+            metrics["train_rollout_logprob_abs_diff_max"] = abs_diff.amax() if abs_diff.numel() else abs_diff.sum()
         return loss, metrics
 
     @classmethod
