@@ -16,6 +16,7 @@ from miles.core.protocols import GenerateRequest
 from miles.rollout.engines.server import ServerProcess, ServerStartError, free_port
 from miles.rollout.engines.vllm import (
     EMPTY_DIGEST,
+    StreamingDigests,
     VLLMEngine,
     VLLMWeightSink,
     check_vllm_installed,
@@ -188,6 +189,31 @@ def test_expected_digests_fuse_qkv_and_gate_up_like_vllm_and_skip_packed_weights
     assert expected_digests(named.items(), torch.bfloat16)["model.norm.weight"] == _digest(
         named["model.norm.weight"].bfloat16()
     )
+
+
+def test_streamed_digests_equal_the_whole_models_and_hold_only_unfinished_fused_parts():
+    g = torch.Generator().manual_seed(1)
+    layer = "model.layers.0"
+    names = [f"{layer}.self_attn.{p}_proj.weight" for p in ("k", "q", "o", "v")]  # k before q: order-free fusing
+    names += [f"{layer}.mlp.{p}_proj.weight" for p in ("up", "down", "gate")] + ["model.norm.weight"]
+    named = [(name, torch.randn(2, 3, generator=g)) for name in names]
+    digests = StreamingDigests(torch.float32)
+    passed = []
+    stream = digests.watch(iter(named))
+    for name, _ in stream:
+        passed.append(name)
+        if name.endswith("o_proj.weight"):  # q and k wait for v; nothing else is held
+            pending = {fused: sorted(parts) for fused, parts in digests._pending.items()}
+            assert pending == {f"{layer}.self_attn.qkv_proj.weight": ["k_proj", "q_proj"]}
+    assert passed == names
+    assert digests.result() == expected_digests(named, torch.float32)
+    assert digests._pending == {}
+    qkv = torch.cat([dict(named)[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert digests.result()[f"{layer}.self_attn.qkv_proj.weight"] == _digest(qkv)
+    # a list is sent as it is (a sender may resend it) and digested afterwards
+    again = StreamingDigests(torch.float32)
+    assert again.watch(named) is named
+    assert again.result() == digests.result()
 
 
 # -- a real vLLM server ----------------------------------------------------------------------------------------

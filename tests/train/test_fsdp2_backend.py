@@ -114,6 +114,21 @@ def test_fsdp2_world_size_2_matches_the_unsharded_model(tiny_llama_dir, tmp_path
     # Reduced with max over the ranks, not summed: the worst token of the whole batch.
     expected_max = _max_abs_diff(_backend(tiny_llama_dir), batch)
     assert result["metrics"]["train_rollout_logprob_abs_diff_max"] == pytest.approx(expected_max, abs=1e-6)
+    # The push streams: every tensor gathered as the sink reads it, none of the earlier ones kept alive by the
+    # trainer (a list of the whole model would keep all of them: alive == 0, 1, 2, ...), each equal to the full
+    # state; the tied LM head is sent once, under the embedding's name.
+    state = result["state"]
+    names = list(dict.fromkeys(n for n in state if n != "lm_head.weight" or not _tied(tiny_llama_dir)))
+    assert list(result["pushed"]) == names
+    assert max(result["alive"]) <= 1, result["alive"]
+    for name, tensor in result["pushed"].items():
+        torch.testing.assert_close(tensor, state[name], atol=0, rtol=0, msg=name)
+
+
+def _tied(model_dir) -> bool:
+    from transformers import AutoConfig
+
+    return bool(AutoConfig.from_pretrained(model_dir).tie_word_embeddings)
 
 
 def _max_abs_diff(backend: FSDP2Backend, batch) -> float:
@@ -174,3 +189,25 @@ def test_world_size_1_fp32_is_not_wrapped_bf16_is_and_states_are_copies(tiny_lla
     before = {k: v.clone() for k, v in state.items()}
     train_step(fp32, make_batch(), OBJECTIVE)
     assert all(torch.equal(before[k], state[k]) for k in state)  # training did not move the returned copy
+
+
+def test_world_size_1_exports_the_live_weights_once_each_without_copies_and_plain_tensors_under_bf16(tiny_llama_dir):
+    """At one rank the push reads the parameters themselves (nothing to gather, no second copy of the model), as a
+    list a sender may resend; bf16's 1-rank FSDP2 wrapper exports plain fp32 tensors, not DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    fp32 = _backend(tiny_llama_dir)
+    exported = fp32.export_weights()
+    assert isinstance(exported, list)
+    params = {p.data_ptr() for p in fp32.model.parameters()}
+    assert {t.data_ptr() for _, t in exported} == params
+    state = fp32.full_state_dict()
+    tied = fp32.model.config.tie_word_embeddings
+    assert [n for n, _ in exported] == [n for n in state if not (tied and n == "lm_head.weight")]
+    bf16 = _backend(tiny_llama_dir, dtype="bf16")
+    exported = dict(bf16.export_weights())
+    assert not any(isinstance(t, DTensor) for t in exported.values())
+    for name, tensor in bf16.full_state_dict().items():
+        if name in exported:
+            assert exported[name].dtype == torch.float32
+            torch.testing.assert_close(exported[name], tensor, atol=0, rtol=0)

@@ -36,7 +36,7 @@ from miles.core.batch import TrainBatch
 from miles.core.execution import import_ray, placement_group_for
 from miles.core.rng import capture_rng_state, restore_rng_state
 from miles.train.config import TrainConfig
-from miles.train.fsdp2.backend import WeightSink
+from miles.train.fsdp2.backend import WeightSink, drain_weights
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -164,16 +164,18 @@ class TrainWorker:
         """Send the full weights as ``version`` through a one-off sink ``sink_factory`` builds here (rank 0; every
         rank gathers), after this rank's own sink left its weight group (``close()``: the group had a server that
         is gone; the next ``push_weights`` joins a new one with every server)."""
-        named = list(self.backend.export_weights())  # collective
-        if self.rank != 0:
-            return
-        if self.backend.weight_sink is not None:
-            self.backend.weight_sink.close()
-        sink = sink_factory()
+        named = self.backend.export_weights()  # collective, one tensor at a time
+        sink = None
         try:
-            sink.push(named, version=version)
+            if self.rank == 0:
+                if self.backend.weight_sink is not None:
+                    self.backend.weight_sink.close()
+                sink = sink_factory()
+                sink.push(named, version=version)
         finally:
-            sink.close()
+            drain_weights(named)  # the other ranks gather every tensor, whatever happened here
+            if sink is not None:
+                sink.close()
 
     def full_state_dict(self) -> dict[str, Tensor] | None:
         state = self.backend.full_state_dict()  # collective

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -407,38 +407,84 @@ def parse_completion(body: dict[str, Any], *, request_id: str) -> GenerateOutput
     )
 
 
-def expected_digests(named_tensors: Iterable[tuple[str, Tensor]], dtype: torch.dtype) -> dict[str, str]:
+#: vLLM's fused parameters of Llama-style models: the fused name's part, and the HF parts stacked on dim 0 in order
+FUSED_PARAMETERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class StreamingDigests:
     """sha256 digests, as vLLM's ``/weight_checker`` computes them, of the parameters vLLM builds from HF-named
-    tensors: each tensor under its own name, plus the fused ``qkv_proj`` (q, k, v stacked on dim 0) and
-    ``gate_up_proj`` (gate, up) of Llama-style models, all cast to the server's ``dtype``."""
-    tensors = {name: tensor for name, tensor in named_tensors}
+    tensors, computed while the tensors stream past (``watch``): each tensor under its own name, plus the fused
+    ``qkv_proj`` (q, k, v stacked on dim 0) and ``gate_up_proj`` (gate, up) of Llama-style models, all cast to the
+    server's ``dtype``. Only the parts of a fused parameter still waiting for a sibling are held (one layer's q/k
+    or gate at most), so checking an update never needs the whole model in memory.
 
-    def digest(tensor: Tensor) -> str:
-        data = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
-        return hashlib.sha256(data.view(-1).view(torch.uint8).numpy()).hexdigest()
+    Args:
+        dtype: the server's dtype; floating-point tensors are digested as that dtype, others as their own.
+    """
 
-    digests = {name: digest(tensor) for name, tensor in tensors.items()}
-    for name in tensors:
-        if name.endswith("self_attn.q_proj.weight"):
-            parts = [tensors.get(name.replace("q_proj", p)) for p in ("q_proj", "k_proj", "v_proj")]
-            if all(p is not None for p in parts):
-                digests[name.replace("q_proj", "qkv_proj")] = digest(torch.cat(parts))
-        if name.endswith("mlp.gate_proj.weight"):
-            up = tensors.get(name.replace("gate_proj", "up_proj"))
-            if up is not None:
-                digests[name.replace("gate_proj", "gate_up_proj")] = digest(torch.cat([tensors[name], up]))
-    return digests
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.digests: dict[str, str] = {}
+        self._pending: dict[str, dict[str, Tensor]] = {}  # fused name -> the parts seen so far (cast, CPU)
+        self._source: Iterable[tuple[str, Tensor]] | None = None
+
+    def watch(self, named_tensors: Iterable[tuple[str, Tensor]]) -> Iterable[tuple[str, Tensor]]:
+        """What to send instead of ``named_tensors``: a one-shot iterator (a trainer's gathered stream) comes back
+        wrapped, digested as it passes; a re-iterable one (a list) comes back as it is, so a sender may still
+        retry or resend it in full, and is digested by ``result``."""
+        if iter(named_tensors) is not named_tensors:
+            self._source = named_tensors
+            return named_tensors
+        return self._observe(named_tensors)
+
+    def result(self) -> dict[str, str]:
+        """The digests by vLLM parameter name (after the tensors given to ``watch`` were sent)."""
+        if self._source is not None:
+            source, self._source = self._source, None
+            for name, tensor in source:
+                self.add(name, tensor)
+        return self.digests
+
+    def _observe(self, named_tensors: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in named_tensors:
+            self.add(name, tensor)
+            yield name, tensor
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        data = tensor.detach().to("cpu", self.dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        self.digests[name] = _sha256(data)
+        for fused, parts in FUSED_PARAMETERS.items():
+            for part in parts:
+                if name.endswith(f".{part}.weight"):
+                    fused_name = name.removesuffix(f"{part}.weight") + f"{fused}.weight"
+                    seen = self._pending.setdefault(fused_name, {})
+                    seen[part] = data
+                    if len(seen) == len(parts):  # stacked on dim 0 = the parts' bytes one after another
+                        self.digests[fused_name] = _sha256(*(seen[p] for p in parts))
+                        del self._pending[fused_name]
 
 
-def verify_servers(
-    engine: VLLMEngine, named_tensors: Sequence[tuple[str, Tensor]], dtype: torch.dtype, what: str
-) -> tuple[int, int]:
-    """Compare every server's ``/weight_checker`` digests with ``named_tensors`` (HF names, cast to ``dtype``).
+def _sha256(*tensors: Tensor) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def expected_digests(named_tensors: Iterable[tuple[str, Tensor]], dtype: torch.dtype) -> dict[str, str]:
+    """``StreamingDigests``' digests of all of ``named_tensors`` at once: name -> sha256 hex digest."""
+    digests = StreamingDigests(dtype)
+    for name, tensor in named_tensors:
+        digests.add(name, tensor)
+    return digests.digests
+
+
+def verify_servers(engine: VLLMEngine, expected: dict[str, str], what: str) -> tuple[int, int]:
+    """Compare every server's ``/weight_checker`` digests with ``expected`` (``StreamingDigests.digests``).
 
     Returns: (verified, not checkable) tensors summed over the servers.
     Raises: WeightUpdateError naming the first server that holds other weights ("... than ``what``").
     """
-    expected = expected_digests(named_tensors, dtype)
     verified = unchecked = 0
     for url in engine.urls:
         ok, skipped, mismatched = compare_digests(engine.checksums(url), expected)
@@ -572,7 +618,8 @@ class VLLMWeightSink:
         started = time.perf_counter()
         if self.sender is None:
             self._connect()
-        named = list(named_tensors)
+        digests = StreamingDigests(self.dtype)
+        named = digests.watch(named_tensors) if self.verify else named_tensors  # streamed, never listed
         version = self.engine.weight_version + 1 if version is None else version
         engine = self.engine
         try:
@@ -603,7 +650,7 @@ class VLLMWeightSink:
             raise WeightUpdateError(str(err)) from None
         engine._version = version
         if self.verify:
-            self.last_verified = verify_servers(engine, named, self.dtype, f"were pushed as v{version}")
+            self.last_verified = verify_servers(engine, digests.result(), f"were pushed as v{version}")
         logger.debug(
             "pushed weights v%d to %d vLLM servers in %.2fs", version, len(engine.urls), time.perf_counter() - started
         )

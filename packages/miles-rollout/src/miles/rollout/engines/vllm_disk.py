@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from miles.rollout.engines.vllm import VLLMEngine, verify_servers
+from miles.rollout.engines.vllm import StreamingDigests, VLLMEngine, verify_servers
 from miles.sync import WeightUpdateError
 from torch import Tensor
 
@@ -94,7 +94,8 @@ class VLLMDiskWeightSink:
         elif version <= engine.weight_version:
             raise ValueError(f"push version {version} is not newer than the engine's v{engine.weight_version}")
         start = time.perf_counter()
-        named = list(named_tensors)
+        digests = StreamingDigests(self.dtype)
+        named = digests.watch(named_tensors) if self.verify else named_tensors  # streamed, never listed
         path = self.writer.write(named, version=version)
         body = {
             "method": "miles_reload_weights",
@@ -108,7 +109,7 @@ class VLLMDiskWeightSink:
             ) from None
         engine.set_weight_version(version)
         if self.verify:
-            self.last_verified = verify_servers(engine, named, self.dtype, f"{path} (v{version})")
+            self.last_verified = verify_servers(engine, digests.result(), f"{path} (v{version})")
         logger.debug(  # per step
             "pushed weights v%d to %d vLLM servers through %s in %.2fs", version, len(engine.urls), path,
             time.perf_counter() - start,

@@ -265,27 +265,39 @@ class FSDP2Backend:
         """Unsharded fp32 weights on CPU, HF names (collective: every rank must call it)."""
         return full_model_state(self.model)
 
-    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, fp32 tensor) pairs of the full model for the engines; a tied tensor (embedding = LM head) is
-        sent once, under its first name, as HF checkpoints store it (the engine's model re-ties it)."""
-        seen: set[int] = set()
-        for name, tensor in self.full_state_dict().items():
-            if tensor.data_ptr() not in seen:
-                seen.add(tensor.data_ptr())
-                yield name, tensor
+    def export_weights(self) -> Iterable[tuple[str, Tensor]]:
+        """(HF name, fp32 tensor) pairs of the full model for the engines, produced one tensor at a time: a
+        sharded model's parameters are gathered (``DTensor.full_tensor``, on the parameters' device) as they are
+        read and freed once the reader drops them, so a push never holds the whole model twice; an unsharded
+        model's are its live parameters, detached (no copy; a list, so a sender may resend it). A tied tensor
+        (embedding = LM head) is sent once, under its first name, as HF checkpoints store it (the engine's model
+        re-ties it).
+
+        Collective on a sharded model: every rank must read the whole stream, in order (``drain_weights`` in a
+        ``finally``).
+        """
+        unique: dict[int, tuple[str, Tensor]] = {}  # keep_vars: the Parameters themselves, so tied names share one
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            unique.setdefault(id(tensor), (name, tensor))
+        if self.world_size == 1:  # a 1-rank mesh (bf16's mixed-precision wrapper) gathers nothing
+            return list(_gathered(list(unique.values())))
+        return _gathered(list(unique.values()))
 
     def push_weights(self, version: int) -> None:
-        """Send the full weights as update ``version`` from this rank (collective: every rank gathers; the ranks
-        given a ``weight_sink`` send), never through the driver.
+        """Send the full weights as update ``version`` from this rank (collective: every rank gathers, one tensor
+        at a time; the ranks given a ``weight_sink`` send), never through the driver.
 
         Raises: RuntimeError if no rank of a world-size-1 backend has a sink; what the sink raises on a failed
             update (the engines keep their previous version).
         """
         if self.weight_sink is None and self.world_size == 1:
             raise RuntimeError("push_weights: this backend has no weight_sink; pass weight_sink=WeightSender(...)")
-        named = list(self.export_weights())  # collective
-        if self.weight_sink is not None:
-            self.weight_sink.push(named, version=version)
+        named = self.export_weights()  # collective
+        try:
+            if self.weight_sink is not None:
+                self.weight_sink.push(named, version=version)
+        finally:
+            drain_weights(named)
 
     def save(self, path: Path) -> None:
         """Write ``model/`` (HF directory: config, safetensors) + ``optimizer.pt`` + ``trainer_state.json``, and
@@ -369,3 +381,19 @@ def _all_reduce(totals: Tensor, op: str) -> Tensor:
 def _pad_cols(values: Tensor, width: int) -> Tensor:
     """Right-pad [b, t] to [b, width] with zeros (micro-batches are trimmed to their own response width)."""
     return torch.nn.functional.pad(values, (0, width - values.shape[1]))
+
+
+def _gathered(named: list[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    for name, tensor in named:
+        with torch.no_grad():  # per tensor: a no_grad held across the yield would leak into the reader
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()  # collective
+        yield name, full
+
+
+def drain_weights(named: Iterable[tuple[str, Tensor]]) -> None:
+    """Read whatever is left of ``export_weights``' stream. On a sharded model every tensor is a collective, so a
+    rank with no sink, or whose sink failed part-way, still takes part in every gather and the ranks stay in step;
+    call it in a ``finally`` after the push (it reads nothing once the sink read it all, or of a list)."""
+    if iter(named) is named:
+        for _ in named:
+            pass
