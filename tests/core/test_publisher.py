@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from miles.core.publisher import EnginePublisher, run_sync
+from miles.core.publisher import Colocation, EnginePublisher, run_sync
 from miles.sync import WeightUpdateError
 
 
@@ -244,3 +244,150 @@ def test_run_sync_works_inside_a_running_event_loop():
         return run_sync(asyncio.sleep(0, result=7))  # a sync caller (publish) reached from async code
 
     assert asyncio.run(inner()) == 7
+
+
+# -- colocation ----------------------------------------------------------------------------------------------------
+class MemoryEngine(RecordingEngine):
+    """An engine that frees and re-allocates its memory (``SGLangEngine.release_memory`` / ``resume_memory``)."""
+
+    def release_memory(self, tags):
+        self.log.append((self.name, "release", tags))
+
+    def resume_memory(self, tags):
+        self.log.append((self.name, "resume_memory", tags))
+
+
+class OffloadingBackend(PushingBackend):
+    def offload(self):
+        self.log.append(("backend", "offload"))
+
+    def onload(self):
+        self.log.append(("backend", "onload"))
+
+
+def test_colocation_frees_the_engines_for_training_and_pushes_into_weights_before_the_kv_cache():
+    """slime's --colocate order: release everything -> trainer onload; then (engines paused) trainer offload ->
+    weights re-allocated -> push -> KV cache re-allocated -> flush -> resume."""
+    log = []
+    engines = [MemoryEngine("a", log), MemoryEngine("b", log)]
+    backend = OffloadingBackend(log)
+    colocation = Colocation(engines, backend)
+    publisher = EnginePublisher(backend, engines, colocation=colocation)
+    colocation.start()
+    assert log == [("backend", "offload")]  # the trainer leaves the devices to the first rollout
+    log.clear()
+    colocation.to_trainer()
+    colocation.to_trainer()  # once per rollout: a second call frees nothing twice
+    assert log == [("a", "release", None), ("b", "release", None), ("backend", "onload")]
+    assert colocation.released
+    log.clear()
+    assert publisher.publish() == 1
+    assert log == [
+        ("a", "pause", "keep"),
+        ("b", "pause", "keep"),
+        ("backend", "offload"),
+        ("a", "resume_memory", ["weights"]),
+        ("b", "resume_memory", ["weights"]),
+        ("backend", "push", 1),
+        ("a", "resume_memory", ["kv_cache"]),
+        ("b", "resume_memory", ["kv_cache"]),
+        ("a", "flush"),
+        ("b", "flush"),
+        ("a", "resume"),
+        ("b", "resume"),
+    ]
+    assert not colocation.released
+    assert set(publisher.metrics()) == {"time/colocation"} and publisher.metrics()["time/colocation"] == 0.0
+    # nothing released (a resume's checkpoint push, a re-weighted server): a plain publish
+    log.clear()
+    assert publisher.publish() == 2
+    assert [entry[1] for entry in log] == ["pause", "pause", "push", "flush", "flush", "resume", "resume"]
+
+
+def test_colocation_with_a_trainer_that_holds_no_accelerator_memory_only_moves_the_engines():
+    log = []
+    engine = MemoryEngine("a", log)
+    colocation = Colocation([engine], PushingBackend(log))  # no offload / onload: the CPU FSDP2 trainer
+    publisher = EnginePublisher(colocation.backend, [engine], colocation=colocation)
+    colocation.start()
+    colocation.to_trainer()
+    publisher.publish()
+    assert [entry[1:] for entry in log] == [
+        ("release", None),
+        ("pause", "keep"),
+        ("resume_memory", ["weights"]),
+        ("push", 1),
+        ("resume_memory", ["kv_cache"]),
+        ("flush",),
+        ("resume",),
+    ]
+
+
+def test_a_failed_colocated_push_leaves_the_kv_cache_released_and_keeps_the_version():
+    log = []
+    engine = MemoryEngine("a", log)
+    backend = PushingBackend(log, fail_at={1})
+    colocation = Colocation([engine], backend)
+    publisher = EnginePublisher(backend, [engine], colocation=colocation)
+    colocation.to_trainer()
+    with pytest.raises(WeightUpdateError):
+        publisher.publish()
+    assert publisher.version == 0 and colocation.released == {"kv_cache"}
+    assert ("a", "resume_memory", ["kv_cache"]) not in log and log[-1] == ("a", "resume")
+    # the next publish (a restarted trainer's) pushes into the weights already re-allocated, then the KV cache
+    log.clear()
+    publisher.backend = PushingBackend(log)
+    assert publisher.publish() == 1
+    assert [entry[1:] for entry in log] == [
+        ("pause", "keep"),
+        ("push", 1),
+        ("resume_memory", ["kv_cache"]),
+        ("flush",),
+        ("resume",),
+    ]
+    assert not colocation.released
+
+
+def test_the_loop_frees_the_colocated_engines_after_the_rollout_and_before_the_trainers_first_forward():
+    from doubles import FakeBackend, NullSink, TokenPrompts
+    from miles.core.config import AlgorithmConfig, RolloutConfig
+    from miles.core.loop import Components, run_step
+    from miles.core.sample import Sample, SampleStatus
+
+    log = []
+
+    class LoggedBackend(FakeBackend):
+        def forward_backward(self, batch, objective, counts):
+            assert colocation.released, "the trainer ran while the engines held their memory"
+            return super().forward_backward(batch, objective, counts)
+
+        def push_weights(self, version):
+            log.append(("backend", "push", version))
+
+    async def generate_group(prompt, n, sampling, seeds):
+        log.append(("engine", "generate"))
+        return [
+            Sample(index=j, group_index=prompt.group_index, prompt=prompt.prompt, tokens=[*prompt.prompt, 5 + j],
+                   response_length=1, rollout_log_probs=[-1.0], status=SampleStatus.COMPLETED)
+            for j in range(n)
+        ]  # fmt: skip
+
+    engine = MemoryEngine("a", log)
+    backend = LoggedBackend()
+    colocation = Colocation([engine], backend)
+    c = Components(
+        data_source=TokenPrompts(),
+        generate_group=generate_group,
+        reward_fn=lambda sample: float(sample.response_tokens[0] == 5),
+        backend=backend,
+        publisher=EnginePublisher(backend, [engine], colocation=colocation),
+        sink=NullSink(),
+        colocation=colocation,
+    )
+    metrics = run_step(c, step=0, rollout=RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2),
+                       algorithm=AlgorithmConfig())  # fmt: skip
+    order = [entry[1] for entry in log]
+    # the trainer's work (forward for old log-probs, forward_backward) runs between the release and the pause
+    assert order == ["generate", "release", "pause", "resume_memory", "push", "resume_memory", "flush", "resume"]
+    assert len(backend.batches) == 1 and backend.steps == 1
+    assert metrics["weight_version"] == 1.0 and "time/colocation" in metrics

@@ -9,10 +9,10 @@ happened.
 
 A run here takes ~2 min, nearly all process start-up on 2 cores (Ray ~30 s, two servers ~40 s, the router ~3 s,
 two trainer ranks ~30-45 s; 2 steps ~5 s), so the module holds six runs: straight (its own cluster), killed,
-resumed, the trainer restart (~2.5 min, ~1 min more than a run: the second trainer's start), the server kill and
-fully_async with partial rollouts (the last two joining one cluster the test starts, `execution.ray.address`, which
-saves Ray's start each time). The module: ~9.7 min in CI's slow step before the fully_async run (~2 min more; 5 min
-while a CI run shared the cores).
+resumed, the trainer restart (~2.5 min, ~1 min more than a run: the second trainer's start), the server kill,
+fully_async with partial rollouts and the colocated run (the last three joining one cluster the test starts,
+`execution.ray.address`, which saves Ray's start each time). The module: ~9.7 min in CI's slow step before the
+fully_async and colocated runs (~2 min more each; 5 min while a CI run shared the cores).
 """
 
 import concurrent.futures
@@ -461,3 +461,37 @@ def test_fully_async_on_ray_with_partial_rollouts_keeps_the_bound_and_trains_eac
     state = json.loads((run_dir / "checkpoints" / "step_3" / "run_state.json").read_text())
     drawn, untrained = state["data_source"]["source"]["num_prompts"], state["data_source"]["untrained"]
     assert drawn - len(untrained) == 6 and state["weight_version"] == 3
+
+
+def test_colocated_engines_free_their_memory_for_training_and_the_run_matches_the_disaggregated_one(
+    cluster, straight, tiny_smollm2_dir, workdir
+):
+    """execution.ray.colocate (joining the module's cluster): each server's actor runs in a trainer rank's bundle,
+    and every step the servers free their parameters after the rollout and get them back, zero-filled, just before
+    the push. Nothing else changes: the run equals the disaggregated `straight` run step for step."""
+    ray, address = cluster
+    run_dir = workdir / "colocated"
+    args = [
+        *_overrides(tiny_smollm2_dir, workdir, "colocated"), "--execution.ray.address", address,
+        "--execution.ray.colocate", "true",
+    ]  # fmt: skip
+    rc, stderr = Run(args, workdir).finish(min_children=1)
+    assert rc == 0, stderr[-4000:]
+    _assert_cluster_released(ray, _trainer_pids(run_dir))
+    urls = _server_urls(run_dir)
+    _assert_ports_free(urls)
+    log = (run_dir / "train.log").read_text()
+    assert f"colocated: engine server(s) {', '.join(urls)} in bundle(s) 0, 1 of the trainer's placement group" in log
+    rows, reference = _metrics(run_dir), _metrics(straight)
+    assert [r["weight_version"] for r in rows] == [1.0, 2.0]
+    assert all(r["time/colocation"] > 0.0 for r in rows), rows
+    # Step 2 sampled with what the push wrote into the zero-filled parameters: the trainer's weights.
+    assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-3
+    for row, ref in zip(rows, reference, strict=True):
+        assert row["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+        for key in ("reward/mean", "grad_norm", "entropy", "train_rollout_logprob_abs_diff"):
+            assert row[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
+    for name in ("miles_0.log", "miles_1.log"):
+        text = (run_dir / "servers" / name).read_text()
+        assert text.count("released the weights' memory (") == 2, name  # after each step's rollout
+        assert text.count("re-allocated the weights, zero-filled") == 2, name  # before each push

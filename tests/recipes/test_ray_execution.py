@@ -81,6 +81,32 @@ def _error(overrides: list[str]) -> str:
             "--execution.ray.trainer-cpus-per-rank.",
             id="bundles_larger_than_the_cluster",
         ),
+        pytest.param(
+            ["--execution.ray.colocate", "true"],
+            "execution.ray.colocate is True but execution.mode is 'local', and it applies to Ray execution only. Set "
+            "--execution.mode ray, or drop --execution.ray.colocate.",
+            id="colocate_in_local_mode",
+        ),
+        pytest.param(
+            [*RAY, "--execution.ray.colocate", "true", "--loop.mode", "one_step_off"],
+            "execution.ray.colocate is true but loop.mode is 'one_step_off': colocated engines and trainer take "
+            "turns on the same devices, so rollout and training cannot overlap. Set --loop.mode sync, or "
+            "--execution.ray.colocate false (engines on devices of their own).",
+            id="colocate_with_an_async_loop",
+        ),
+        pytest.param(
+            ["--execution.mode", "ray", "--engine.type", "vllm", "--execution.ray.colocate", "true"],
+            "execution.ray.colocate is true but engine.type is 'vllm': colocation places the engine servers Miles "
+            "starts in Ray actors and frees their memory through SGLang's /release_memory_occupation. Use "
+            "--engine.type sglang (--engine.server miles on CPU), or --execution.ray.colocate false.",
+            id="colocate_with_vllm",
+        ),
+        pytest.param(
+            [*RAY, "--execution.ray.colocate", "true", "--engine.urls", "[http://127.0.0.1:30000]"],
+            "execution.ray.colocate is true but engine.urls names servers already running: colocation places the "
+            "servers it starts in the trainer's bundles. Drop --engine.urls, or --execution.ray.colocate false.",
+            id="colocate_with_running_servers",
+        ),
     ],
 )
 def test_what_ray_mode_cannot_run_is_refused_with_one_line_naming_the_keys_and_the_fix(overrides, expected):

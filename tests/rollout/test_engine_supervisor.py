@@ -398,6 +398,18 @@ def test_a_port_that_stays_taken_after_the_previous_server_ended_is_a_start_erro
             end_previous_server(tmp_path / "none.pid", ["x"], host="127.0.0.1", port=port, wait_s=0.2)
 
 
+def test_server_actor_options_are_one_mapping_for_all_or_one_per_spec_and_never_the_restart_settings():
+    from miles.rollout.engines.server_actor import start_server_actors
+
+    specs = [ServerSpec(f"s{i}", ["x"], port=30000 + i, log_path="/dev/null") for i in range(2)]
+    with pytest.raises(ValueError, match="3 actor_options for 2 specs; give one each"):
+        start_server_actors(specs, actor_options=[{}, {}, {}])
+    with pytest.raises(ValueError, match=r"actor_options sets \['max_restarts'\]"):
+        start_server_actors(specs, actor_options=[{}, {"max_restarts": 3}])
+    with pytest.raises(ValueError, match=r"actor_options sets \['max_task_retries'\]"):
+        start_server_actors(specs, actor_options={"max_task_retries": 1})
+
+
 # -- two miles serve servers owned by Ray actors, behind the real sglang-router --------------------
 NUM_PROMPTS, GROUP_SIZE = 8, 4
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=24)

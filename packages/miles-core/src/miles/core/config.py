@@ -439,6 +439,15 @@ class RayConfig(_Section):
         description="How the trainer bundles are placed: PACK (the default) on as few nodes as possible; SPREAD "
         "across nodes.",
     )
+    colocate: bool = Field(
+        False,
+        description="Engines and trainer share the placement group's bundles (slime's --colocate, verl's hybrid "
+        "engine): server i runs in trainer rank i's bundle (i modulo train.world_size), and each step hands the "
+        "memory over, the engines freeing theirs (weights and KV cache) once the rollout is done and the trainer "
+        "taking it back, then the trainer offloading before the engines re-allocate and receive the new weights. "
+        "false (the default): disaggregated, the engines beside the trainer's bundles. Needs loop.mode sync and "
+        "servers Miles starts (engine.type sglang, no engine.urls).",
+    )
     max_trainer_restarts: int = Field(
         0,
         ge=0,

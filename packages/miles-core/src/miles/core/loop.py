@@ -53,6 +53,7 @@ from miles.core.protocols import (
     TrainHooks,
     WeightPublisher,
 )
+from miles.core.publisher import Colocation
 from miles.core.rewards import failure_counts, outcome_counts, score_samples
 from miles.core.sample import Sample, SampleStatus, group_samples
 
@@ -128,6 +129,9 @@ class Components:
     # Called after each step: raises if an engine is out of service for good (the run stops there), else returns
     # engine metrics merged into the step's record (the engine supervisor's ``check``: engine/restarts, ...).
     engine_health: Callable[[], dict[str, float]] | None = None
+    # Engines and trainer share devices (execution.ray.colocate; sync loop): its to_trainer runs after each rollout,
+    # the publisher (given the same object) runs the rest. None: disaggregated.
+    colocation: Colocation | None = None
     # Extension points (miles.core.plugins.EXTENSION_POINTS): rollout.sample_hook_path, reward.group_path, eval.path
     # (None: miles.core.evaluation.evaluate) and run.hooks.
     sample_hook: SampleHook | None = None
@@ -305,6 +309,8 @@ def run_step(
         plugins = load_algorithm_plugins(algorithm)
     t0 = time.perf_counter()
     result = rollout_stage(c, step=step, rollout=rollout, algorithm=algorithm, producer=producer, plugins=plugins)
+    if c.colocation is not None:  # the engines free their memory before the trainer's first forward
+        c.colocation.to_trainer()
     advantages = advantage_stage(c, result, rollout=rollout, algorithm=algorithm, objective=objective, plugins=plugins)
     t1 = time.perf_counter()
     train_metrics = train_stage(c.backend, advantages.batch, objective, rollout.steps_per_rollout)

@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -137,6 +138,85 @@ class LogProbProbe:
         return {self.metric: worst}
 
 
+class Colocation:
+    """Hands the memory between colocated engines and trainer (``execution.ray.colocate``) twice per step of the
+    synchronous loop, in slime's order (``train.py`` with ``--colocate``):
+
+    1. the rollout is done (nothing in flight) -> ``to_trainer``: every engine frees its weights and KV cache
+       (``release_memory``), then the trainer takes the devices back (``backend.onload()``);
+    2. the optimizer stepped -> ``before_push`` (the publisher, engines paused): the trainer offloads
+       (``backend.offload()``) and the engines re-allocate their weights, zero-filled;
+    3. the new version is pushed -> ``after_push``: the engines re-allocate their KV cache, and the next rollout
+       can start. The push never competes with the KV cache for memory.
+
+    A publish with nothing released (the checkpoint's weights pushed at a resume, a restarted server re-weighted)
+    skips steps 2-3. If the push fails the engines hold zero-filled weights, and the publish's error stops the run.
+
+    Args:
+        engines: objects with ``release_memory(tags)`` / ``resume_memory(tags)``, SGLang's memory tags ("weights",
+            "kv_cache"; None = all): ``SGLangEngine`` (every server; ``miles serve`` frees its parameters for real,
+            SGLang its GPU memory).
+        backend: the trainer. Its optional ``offload()`` / ``onload()`` move its state off / onto the accelerator;
+            ``offload`` must leave ``push_weights`` working (slime pushes from a host copy). The FSDP2 trainer runs
+            on CPU here and has neither: it holds no accelerator memory.
+    """
+
+    def __init__(self, engines: Sequence[Any], backend: Any) -> None:
+        self.engines = list(engines)
+        self.backend = backend
+        self.released: set[str] = set()  # SGLang's memory tags the engines have freed now
+        self.seconds = 0.0  # spent handing memory over since the last ``metrics``
+
+    def start(self) -> None:
+        """Before the first rollout: the trainer offloads (it loaded onto the devices the engines generate on)."""
+        self._call_backend("offload")
+
+    def to_trainer(self) -> None:
+        """After a rollout: the engines free everything, the trainer onloads. Nothing when already released.
+
+        Raises: what an engine raises (RuntimeError naming the server, e.g. requests still running)."""
+        if self.released:
+            return
+        start = time.perf_counter()
+        for engine in self.engines:
+            engine.release_memory(None)
+        self.released = {"weights", "kv_cache"}
+        self._call_backend("onload")
+        self.seconds += time.perf_counter() - start
+
+    def before_push(self) -> None:
+        """The trainer offloads, the engines re-allocate their weights (zero-filled until the push)."""
+        if not self.released:
+            return
+        start = time.perf_counter()
+        self._call_backend("offload")
+        if "weights" in self.released:  # not again after a failed push (a restarted trainer's publish)
+            for engine in self.engines:
+                engine.resume_memory(["weights"])
+            self.released.discard("weights")
+        self.seconds += time.perf_counter() - start
+
+    def after_push(self) -> None:
+        """The engines re-allocate their KV cache: they can generate again."""
+        if not self.released:
+            return
+        start = time.perf_counter()
+        for engine in self.engines:
+            engine.resume_memory(["kv_cache"])
+        self.released.clear()
+        self.seconds += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """``time/colocation``: seconds spent freeing and re-allocating since the last call (then reset)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return {"time/colocation": seconds}
+
+    def _call_backend(self, method: str) -> None:
+        fn = getattr(self.backend, method, None)
+        if fn is not None:
+            fn()
+
+
 class EnginePublisher:
     """``WeightPublisher`` over a backend and the engines it feeds.
 
@@ -152,6 +232,8 @@ class EnginePublisher:
             engine is being restarted and keeps a restarted one from being re-weighted during the push. What
             entering it raises (an engine that could not be brought back) fails the publish before anything ran.
         probe: checks each published version on the engines (``LogProbProbe``), after they resumed; None = off.
+        colocation: engines and trainer share devices (``Colocation``): its ``before_push`` runs once the engines
+            are paused, its ``after_push`` after the push; None = disaggregated.
     """
 
     def __init__(
@@ -163,12 +245,14 @@ class EnginePublisher:
         pause_mode: str = "keep",
         guard: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         probe: LogProbProbe | None = None,
+        colocation: Colocation | None = None,
     ) -> None:
         self.backend = backend
         self.engines = list(engines)
         self.pause_mode = pause_mode
         self.guard = guard
         self.probe = probe
+        self.colocation = colocation
         self._version = version
         self._probe_metrics: dict[str, float] = {}
 
@@ -179,8 +263,11 @@ class EnginePublisher:
     def metrics(self) -> dict[str, float]:
         """Metrics of the last publish: the probe's ``sync/probe_logprob_max_abs_diff`` (with a probe), and when its
         weight sink encodes deltas (a ``last_push`` with miles.sync's ``PushStats``), ``sync/sent_mib`` (MiB the
-        transport moved) and ``sync/sent_fraction`` (of a full update's bytes; not for a sink in a Ray actor)."""
+        transport moved) and ``sync/sent_fraction`` (of a full update's bytes; not for a sink in a Ray actor); with a
+        colocation, ``time/colocation``."""
         metrics = dict(self._probe_metrics)
+        if self.colocation is not None:
+            metrics.update(self.colocation.metrics())
         stats = getattr(getattr(self.backend, "weight_sink", None), "last_push", None)
         if stats is not None and getattr(stats, "delta", False):
             metrics.update({"sync/sent_mib": stats.nbytes / 2**20, "sync/sent_fraction": stats.sent_fraction})
@@ -198,7 +285,11 @@ class EnginePublisher:
         with self.guard():
             try:  # an engine that failed to pause (a server gone) must not leave the others paused
                 run_sync(control_all(self.engines, "pause", self.pause_mode))
+                if self.colocation is not None:
+                    self.colocation.before_push()
                 self.backend.push_weights(version)
+                if self.colocation is not None:
+                    self.colocation.after_push()
                 run_sync(control_all(self.engines, "flush_cache"))
                 self._version = version
             finally:

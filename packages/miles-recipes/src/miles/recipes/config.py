@@ -176,6 +176,8 @@ class MilesConfig(BaseModel):
                 "server engine: --engine.type sglang --engine.server miles (CPU; --engine.type vllm or sglang on "
                 "GPU), or --execution.mode local."
             )
+        if execution.ray.colocate:
+            self._check_colocation()
         ray, cpus = execution.ray, world_size * execution.ray.trainer_cpus_per_rank
         if ray.num_cpus is not None and cpus > ray.num_cpus:
             raise ValueError(
@@ -183,6 +185,29 @@ class MilesConfig(BaseModel):
                 f"execution.ray.trainer_cpus_per_rank = {world_size} x {ray.trainer_cpus_per_rank:g} = {cpus:g} CPUs, "
                 f"so they could never be placed. Set --execution.ray.num-cpus {cpus:g} (or more; logical CPUs may "
                 "exceed the cores), or lower --execution.ray.trainer-cpus-per-rank."
+            )
+
+    def _check_colocation(self) -> None:
+        """Colocation hands the devices back and forth once per step: it needs the synchronous loop and engine
+        servers Miles places itself (in the trainer's bundles) and can free and re-allocate."""
+        if self.loop.mode != "sync":
+            raise ValueError(
+                f"execution.ray.colocate is true but loop.mode is {self.loop.mode!r}: colocated engines and trainer "
+                "take turns on the same devices, so rollout and training cannot overlap. Set --loop.mode sync, or "
+                "--execution.ray.colocate false (engines on devices of their own)."
+            )
+        if self.engine.type != "sglang":
+            raise ValueError(
+                f"execution.ray.colocate is true but engine.type is {self.engine.type!r}: colocation places the "
+                "engine servers Miles starts in Ray actors and frees their memory through SGLang's "
+                "/release_memory_occupation. Use --engine.type sglang (--engine.server miles on CPU), or "
+                "--execution.ray.colocate false."
+            )
+        if self.engine.urls:
+            raise ValueError(
+                "execution.ray.colocate is true but engine.urls names servers already running: colocation places "
+                "the servers it starts in the trainer's bundles. Drop --engine.urls, or --execution.ray.colocate "
+                "false."
             )
 
     def _check_algorithm(self) -> None:

@@ -46,7 +46,7 @@ from miles.recipes.sinks import (
 from miles.rollout.config import DataConfig, RewardConfig
 
 if TYPE_CHECKING:
-    from miles.core.publisher import EnginePublisher, LogProbProbe
+    from miles.core.publisher import Colocation, EnginePublisher, LogProbProbe
     from miles.rollout.engines.launch import LaunchedEngine
 
 logger = logging.getLogger(__name__)
@@ -641,7 +641,7 @@ def run(
         restart is left; KeyboardInterrupt on a second signal. Each of these, and any other exception, is written
         to ``train.log`` once the run directory is written.
     """
-    from miles.core.publisher import EnginePublisher
+    from miles.core.publisher import Colocation, EnginePublisher
     from miles.rollout.engines.launch import launch_engine
     from miles.rollout.engines.server_actor import EngineRestartError
     from miles.train import FSDP2Backend
@@ -676,6 +676,7 @@ def run(
             seed=cfg.rollout.seed,
             remote_sink=ray_mode,
             server_actors=ray_mode,  # Ray owns and restarts the servers; the supervisor below watches them
+            colocate_with=trainer_placement if ray_mode and cfg.execution.ray.colocate else None,
             weight_dir=run_dir.parent / f".{run_dir.name}.weights",  # engine.weight_transfer disk, removed at the end
         )
         stack.callback(launched.close)
@@ -692,7 +693,8 @@ def run(
             )
         pause_mode = cfg.loop.pause_mode or getattr(cfg.engine, "pause_mode", "keep")
         probe = build_probe(cfg, tokenizer)
-        publisher = EnginePublisher(backend, [engine], pause_mode=pause_mode, probe=probe)
+        colocation = Colocation([engine], backend) if cfg.execution.ray.colocate else None
+        publisher = EnginePublisher(backend, [engine], pause_mode=pause_mode, probe=probe, colocation=colocation)
         generate_group = build_rollout(cfg, engine, tokenizer)
         eval_generate_group = build_eval_rollout(cfg, engine, tokenizer)
         logger.info(
@@ -720,6 +722,7 @@ def run(
                 engine=engine,
                 pause_mode=pause_mode,
                 probe=probe,
+                colocation=colocation,
             )
             _drop_metrics_after(run_dir / "metrics.jsonl", start_step)
             final.append(Path(resume_from))
@@ -785,7 +788,10 @@ def run(
             group_reward_fn=plugins.group_reward_fn,
             eval_fn=plugins.eval_fn,
             hooks=hooks,
+            colocation=colocation,
         )
+        if colocation is not None:
+            colocation.start()
         if launched.server_actors:  # Ray mode: a dead server is restarted, re-weighted and re-added to the router
             supervisor = launched.supervise(engine_resync(components, launched.sink_factory))
             components.engine_health = supervisor.check  # engine/restarts; an engine that stays dead stops the run
@@ -1022,16 +1028,26 @@ def _restore_checkpoint(
     pause_mode: str,
     guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     probe: LogProbProbe | None = None,
+    colocation: Colocation | None = None,
 ) -> tuple[EnginePublisher, int]:
     """Restore ``checkpoint`` into a built trainer and data source (``restore_run_checkpoint``: weights, optimizer,
     data position, RNG states) and push its weights to ``engine``, which holds others (models.policy.path's, or
     newer ones), as the checkpoint's weight version. Returns (the publisher, continuing from that version; the
-    checkpoint's step)."""
+    checkpoint's step). With ``colocation`` (which then hands memory with ``backend``) the push re-allocates
+    engines that released their memory."""
     from miles.core.publisher import EnginePublisher
 
     state = restore_run_checkpoint(checkpoint, backend=backend, data_source=data_source)
+    if colocation is not None:
+        colocation.backend = backend
     publisher = EnginePublisher(
-        backend, [engine], version=max(state.weight_version - 1, 0), pause_mode=pause_mode, guard=guard, probe=probe
+        backend,
+        [engine],
+        version=max(state.weight_version - 1, 0),
+        pause_mode=pause_mode,
+        guard=guard,
+        probe=probe,
+        colocation=colocation,
     )
     if state.weight_version > 0:
         publisher.publish()  # as the checkpoint's version; the next step's publish continues from it
@@ -1069,15 +1085,27 @@ def _restart_trainer(
             pause_mode=pause_mode,
             guard=components.publisher.guard,  # the engine supervisor's, in Ray mode
             probe=components.publisher.probe,
+            colocation=components.colocation,  # a trainer that died mid-step may leave the engines released
         )
     else:
         data_state, rng_state = initial_state
         components.data_source.load_state_dict(data_state)
         restore_rng_state(rng_state)
         version, guard, probe = engine.weight_version, components.publisher.guard, components.publisher.probe
-        publisher = EnginePublisher(backend, [engine], version=version, pause_mode=pause_mode, guard=guard, probe=probe)
+        if components.colocation is not None:
+            components.colocation.backend = backend
+        publisher = EnginePublisher(
+            backend,
+            [engine],
+            version=version,
+            pause_mode=pause_mode,
+            guard=guard,
+            probe=probe,
+            colocation=components.colocation,
+        )
         step = 0
-        if publisher.version > 0:  # versions never repeat: the initial weights come back as a new one
+        released = components.colocation is not None and components.colocation.released
+        if publisher.version > 0 or released:  # versions never repeat: the initial weights come back as a new one
             publisher.publish()
     components.backend, components.publisher = backend, publisher
     logger.info(

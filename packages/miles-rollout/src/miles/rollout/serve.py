@@ -518,7 +518,10 @@ async def release_memory_occupation(request: Request) -> Response:
     try:
         tags = _tags(await _body(request))
         if "weights" in tags:
-            await asyncio.to_thread(_state(request).engine.release_weights)
+            engine = _state(request).engine
+            nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+            await asyncio.to_thread(engine.release_weights)
+            logger.info("released the weights' memory (%.1f MiB of parameters)", nbytes / 2**20)
     except (RuntimeError, ValueError) as err:
         return _error(str(err))
     return _result(True, "Released the weights' memory; resume it, then push weights, before generating.")
@@ -533,6 +536,7 @@ async def resume_memory_occupation(request: Request) -> Response:
         return _error(str(err))
     if "weights" in tags:
         await asyncio.to_thread(_state(request).engine.resume_weights)
+        logger.info("re-allocated the weights, zero-filled")
     return _result(True, "Re-allocated the weights, zero-filled: push weights before generating.")
 
 

@@ -233,6 +233,7 @@ def launch_engine(
     seed: int = 0,
     remote_sink: bool = False,
     server_actors: bool = False,
+    colocate_with: Any = None,
     weight_dir: str | Path | None = None,
 ) -> LaunchedEngine:
     """Start the engine ``cfg`` (the ``engine`` config section) describes, for the model at ``model_path``.
@@ -245,6 +246,9 @@ def launch_engine(
             (``ServerActor``, in the Ray session this process has), which Ray restarts; with ``engine.router``
             the router starts first. ``LaunchedEngine.supervise`` then watches them. Servers named by
             ``engine.urls`` and vLLM servers stay as they are (a warning says so for vLLM).
+        colocate_with: with ``server_actors``, the trainer's Ray placement group (``execution.ray.colocate``):
+            server i's actor runs in its bundle i modulo the bundle count, beside trainer rank i. None: on this
+            (the driver's) node, outside any bundle.
         weight_dir: ``engine.weight_transfer`` disk without ``engine.weight_dir``: the directory the versions go
             to, removed by ``close``.
     Raises: ServerStartError (one message with the server's log tail and the fix) when a server does not start;
@@ -258,7 +262,15 @@ def launch_engine(
             logger.warning("vLLM servers run as processes of this one, not Ray actors: a dead one is not restarted")
         launched = _vllm(cfg, model_path, Path(log_dir), seed, remote_sink=remote_sink, disk_root=disk_root)
     elif isinstance(cfg, SGLangEngineConfig):
-        launched = _sglang(cfg, model_path, Path(log_dir), seed, server_actors=server_actors, disk_root=disk_root)
+        launched = _sglang(
+            cfg,
+            model_path,
+            Path(log_dir),
+            seed,
+            server_actors=server_actors,
+            colocate_with=colocate_with,
+            disk_root=disk_root,
+        )
     else:
         raise TypeError(f"unknown engine config {type(cfg).__name__}")
     if disk_root and not cfg.weight_dir:
@@ -367,7 +379,14 @@ def moe_routing_shape(model_path: str | Path) -> tuple[int, int]:
 
 
 def _sglang(
-    cfg: SGLangEngineConfig, model_path: str | Path, log_dir: Path, seed: int, *, server_actors: bool, disk_root: str
+    cfg: SGLangEngineConfig,
+    model_path: str | Path,
+    log_dir: Path,
+    seed: int,
+    *,
+    server_actors: bool,
+    colocate_with: Any = None,
+    disk_root: str,
 ) -> LaunchedEngine:
     from miles.rollout.engines.server import ServerStartError
     from miles.rollout.engines.sglang import SGLangDiskWeightSink, SGLangEngine, SGLangWeightSink
@@ -383,7 +402,9 @@ def _sglang(
         if server_actors and not urls:
             if cfg.router:  # first: a restarted server actor leaves it before its new server answers
                 router_url = _start_router(cfg, [], log_dir, launched)
-            urls = _start_server_actors(cfg, model_path, log_dir, launched, router_url=router_url)
+            urls = _start_server_actors(
+                cfg, model_path, log_dir, launched, router_url=router_url, colocate_with=colocate_with
+            )
             if launched.router is not None:
                 for url in urls:
                     launched.router.add_worker(url)
@@ -483,7 +504,13 @@ def _start_server_processes(
 
 
 def _start_server_actors(
-    cfg: SGLangEngineConfig, model_path: str | Path, log_dir: Path, launched: LaunchedEngine, *, router_url: str | None
+    cfg: SGLangEngineConfig,
+    model_path: str | Path,
+    log_dir: Path,
+    launched: LaunchedEngine,
+    *,
+    router_url: str | None,
+    colocate_with: Any = None,
 ) -> list[str]:
     """Start ``cfg.num_servers`` servers, each owned by a ``ServerActor`` at a fixed port (Ray restarts it);
     returns their URLs. Needs the Ray session.
@@ -495,6 +522,10 @@ def _start_server_actors(
     ``execution.ray.num_cpus`` of their own. The node is the driver's because the servers bind ``engine.host``
     (127.0.0.1 by default) and load ``models.policy.path`` from this node's disk, as the router reaches them.
     Engine bundles of their own (a GPU per server) are not built yet.
+
+    With ``colocate_with`` (the trainer's placement group, ``execution.ray.colocate``) server i's actor is scheduled
+    into bundle i modulo the bundle count, still asking for 0 CPUs: it shares trainer rank i's bundle, and so its
+    node (one node here; across nodes ``engine.host`` must be an address the router and the driver reach).
     """
     from miles.core.execution import import_ray
     from miles.rollout.engines.server_actor import ServerSpec, start_server_actors
@@ -515,14 +546,44 @@ def _start_server_actors(
                 router_url=router_url,
             )
         )
-    node = NodeAffinitySchedulingStrategy(node_id=import_ray().get_runtime_context().get_node_id(), soft=False)
     log_dir.mkdir(parents=True, exist_ok=True)
-    handles = start_server_actors(specs, actor_options={"num_cpus": 0, "scheduling_strategy": node})
+    if colocate_with is None:
+        node = NodeAffinitySchedulingStrategy(node_id=import_ray().get_runtime_context().get_node_id(), soft=False)
+        strategies = [node] * len(specs)
+    else:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles = len(colocate_with.bundle_specs)
+        strategies = [
+            PlacementGroupSchedulingStrategy(colocate_with, placement_group_bundle_index=i % bundles)
+            for i in range(len(specs))
+        ]
+    handles = start_server_actors(
+        specs, actor_options=[{"num_cpus": 0, "scheduling_strategy": strategy} for strategy in strategies]
+    )
     for handle in handles:
         launched.closers.append(handle.stop)
         launched.actor_logs.append(Path(handle.spec.log_path))
     launched.server_actors, launched.health_check = handles, cfg.health_check
+    if colocate_with is not None:  # Ray placed them as asked, or says why not here
+        ray = import_ray()
+        groups = ray.get([handle.actor.__ray_call__.remote(_placement_group_of) for handle in handles])
+        wrong = [h.url for h, group in zip(handles, groups) if group != colocate_with.id.hex()]
+        if wrong:
+            raise RuntimeError(f"colocated engine servers {wrong} run outside the trainer's placement group")
+        logger.info(
+            "colocated: engine server(s) %s in bundle(s) %s of the trainer's placement group",
+            ", ".join(h.url for h in handles),
+            ", ".join(str(i % len(colocate_with.bundle_specs)) for i in range(len(handles))),
+        )
     return [handle.url for handle in handles]
+
+
+def _placement_group_of(_actor: Any) -> str | None:
+    """The placement group id (hex) of the actor it runs in (through ``ActorHandle.__ray_call__``)."""
+    from miles.core.execution import import_ray
+
+    return import_ray().get_runtime_context().get_placement_group_id()
 
 
 def _start_router(cfg: SGLangEngineConfig, urls: list[str], log_dir: Path, launched: LaunchedEngine) -> str:

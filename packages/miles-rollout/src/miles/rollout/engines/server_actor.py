@@ -344,7 +344,7 @@ def start_server_actors(
     specs: Sequence[ServerSpec],
     *,
     max_restarts: int = -1,
-    actor_options: Mapping[str, Any] | None = None,
+    actor_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
     timeout_s: float | None = None,
 ) -> list[ServerActorHandle]:
     """Create one ``ServerActor`` per spec (they start their servers concurrently) and wait until all serve.
@@ -354,7 +354,8 @@ def start_server_actors(
         max_restarts: Ray restarts of each actor; -1 = unlimited (a server that keeps dying then keeps being
             restarted, each restart counted in ``engine/restarts``).
         actor_options: more ``ray.remote`` options (``num_cpus``, ``num_gpus``, ``scheduling_strategy`` for a
-            placement-group bundle, ``runtime_env``); not ``max_restarts`` / ``max_task_retries``.
+            placement-group bundle, ``runtime_env``); not ``max_restarts`` / ``max_task_retries``. One mapping for
+            every actor, or one per spec (e.g. each server in its own bundle).
         timeout_s: how long to wait for all to serve; None = the longest ``startup_timeout_s`` plus 60 s.
     Raises: ValueError for duplicate URLs or restart options in ``actor_options``; EngineRestartError naming the
         server that did not start (the others are stopped first).
@@ -363,16 +364,17 @@ def start_server_actors(
     urls = [spec.url for spec in specs]
     if len(set(urls)) != len(urls):
         raise ValueError(f"start_server_actors: two servers share a URL in {urls}; give each its own port")
-    options = dict(actor_options or {})
-    clash = sorted({"max_restarts", "max_task_retries"} & options.keys())
+    per_spec = [dict(o) for o in actor_options] if isinstance(actor_options, Sequence) else None
+    if per_spec is not None and len(per_spec) != len(specs):
+        raise ValueError(f"start_server_actors: {len(per_spec)} actor_options for {len(specs)} specs; give one each")
+    options = per_spec or [dict(actor_options or {})] * len(specs)
+    clash = sorted({"max_restarts", "max_task_retries"} & {key for o in options for key in o})
     if clash:
         raise ValueError(f"actor_options sets {clash}; pass max_restarts as an argument (task retries are always 0)")
     actor_class = ray.remote(ServerActor)
     handles = [
-        ServerActorHandle(
-            actor_class.options(max_restarts=max_restarts, max_task_retries=0, **options).remote(spec), spec
-        )
-        for spec in specs
+        ServerActorHandle(actor_class.options(max_restarts=max_restarts, max_task_retries=0, **o).remote(spec), spec)
+        for spec, o in zip(specs, options)
     ]
     if timeout_s is None:
         timeout_s = max(spec.startup_timeout_s for spec in specs) + 60.0
