@@ -126,6 +126,31 @@ def test_a_run_whose_steps_have_no_reward_variance_warns_once_and_logs_the_ratio
         assert fix in message
 
 
+def test_supervised_fine_tuning_does_not_warn_about_reward_variance(caplog):
+    """SFT trains the reference answers (one per prompt): its groups never have reward variance, and need none."""
+    from miles.core.config import LossConfig
+
+    sink = ListSink()
+    components = Components(
+        data_source=Prompts(),
+        generate_group=ScriptedRollout([[(0, DONE)], [(1, DONE)]] * 2),
+        reward_fn=lambda s: float(s.response_tokens[0]),
+        backend=FakeBackend(),
+        publisher=CountingPublisher(),
+        sink=sink,
+    )
+    with caplog.at_level(logging.WARNING, logger="miles.core.loop"):
+        train(
+            components,
+            loop=LoopConfig(num_steps=2),
+            rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1),
+            algorithm=AlgorithmConfig(loss=LossConfig(policy_loss="sft")),
+            evaluation=EvalConfig(num_prompts=0),
+        )
+    assert [row["groups/no_signal_ratio"] for row in sink.rows] == [1.0, 1.0]  # still logged
+    assert not [r.getMessage() for r in caplog.records if r.name == "miles.core.loop"]
+
+
 def test_a_step_with_signal_in_some_group_does_not_warn(caplog):
     sink = ListSink()
     components = Components(

@@ -106,6 +106,11 @@ def test_a_group_baseline_with_one_sample_per_prompt_is_refused_before_training(
             "every group would be filtered",
             id="dynamic_sampling_with_groups_of_one",
         ),  # fmt: skip
+        pytest.param(
+            ["--rollout.mode", "sft", "--algorithm.loss.policy-loss", "sft"],
+            r"rollout.n_samples_per_prompt is 8 with algorithm.loss.policy_loss 'sft': .* 8 identical copies",
+            id="sft_with_groups_of_eight",
+        ),
         pytest.param(["--models.critic.path", "x"], "never reads critic values", id="critic_without_gae"),
         pytest.param(
             ["--algorithm.advantage.estimator", "gae"],

@@ -3,6 +3,7 @@
 
 import asyncio
 import math
+import threading
 
 import pytest
 import torch
@@ -138,6 +139,36 @@ def test_pause_abort_ends_running_and_queued_requests_with_their_partial_outputs
     assert sorted(o.request_id for o in partial) == sorted(r.request_id for r in reqs)
     engine.resume_now()
     assert engine.generate_batch(requests(1, SamplingConfig(max_new_tokens=4)))[0].finish_reason in ("stop", "length")
+
+
+def test_a_request_submitted_while_an_abort_pause_waits_is_held_until_resume_not_aborted(tiny_llama_dir):
+    """The async loop resubmits an aborted request at once; if it arrives while the pause still waits for the
+    running batch, it must wait for the new weights, not be aborted a second time (SGLang holds it too)."""
+    engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[30], max_batch_size=2)
+    late_submitted = threading.Event()
+    held, _ = hold_sampling_step(engine, 3, until=late_submitted.is_set, num_prompts=2)
+    reqs, late_request = requests(2), GenerateRequest([1, 9, 4], SamplingConfig(max_new_tokens=4), seed=3)
+
+    async def run():
+        tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
+        assert await asyncio.to_thread(held.wait, 30)
+        pause = asyncio.ensure_future(engine.pause("abort"))
+        assert await asyncio.to_thread(engine._interrupt.wait, 30)  # the pause began and waits for the batch
+        late = asyncio.ensure_future(engine.generate(late_request))
+        for _ in range(3):  # submitted (and moved into the queue)
+            await asyncio.sleep(0)
+        late_submitted.set()  # the held batch may stop now
+        partial = await pause
+        outputs = await asyncio.gather(*tasks)
+        held_late = not late.done()
+        engine.resume_now()
+        return partial, outputs, held_late, await late
+
+    partial, outputs, held_late, late = asyncio.run(run())
+    assert [o.finish_reason for o in outputs] == ["abort", "abort"]
+    assert sorted(o.request_id for o in partial) == sorted(r.request_id for r in reqs)  # not the late one
+    assert held_late
+    assert late.finish_reason in ("stop", "length") and len(late.response_tokens) >= 1
 
 
 def test_close_mid_generation_aborts_the_running_requests_and_ends_the_worker_thread(tiny_llama_dir):

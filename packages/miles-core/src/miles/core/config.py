@@ -604,6 +604,13 @@ def check_group_size(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None
             "and nothing is learned. Set --rollout.n-samples-per-prompt 4 (or more), or pick an estimator without "
             "a group baseline (--algorithm.advantage.estimator reinforce_plus_plus or gae)."
         )
+    if POLICY_LOSSES[algorithm.loss.policy_loss].supervised and n > 1:
+        raise ValueError(
+            f"rollout.n_samples_per_prompt is {n} with algorithm.loss.policy_loss 'sft': supervised fine-tuning "
+            f"trains each prompt's reference answer, so every step would train {n} identical copies of it (a {n}x "
+            "weight on the same rows). Set --rollout.n-samples-per-prompt 1 (and --rollout.rollout-batch-size for "
+            "more answers per step)."
+        )
     if algorithm.dynamic_sampling is not None and n < 2:
         raise ValueError(
             f"algorithm.dynamic_sampling is on with rollout.n_samples_per_prompt {n}: a group of one never "

@@ -32,7 +32,7 @@ from miles.core.algorithms.masking import (
     response_mask,
 )
 from miles.core.algorithms.objective import LossCounts, PolicyObjective
-from miles.core.algorithms.registry import ESTIMATORS
+from miles.core.algorithms.registry import ESTIMATORS, POLICY_LOSSES
 from miles.core.batch import TrainBatch, build_train_batch
 from miles.core.buffer import collect_groups
 from miles.core.config import AlgorithmConfig, CriticConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
@@ -497,7 +497,8 @@ def step_metrics(
     advantage = algorithm.advantage
     entry = ESTIMATORS[advantage.estimator]  # a teacher or a critic gives advantages without reward differences
     from_rewards = advantage.estimator_path or not (entry.critic or "teacher_log_probs" in entry.needs)
-    if metrics["groups/no_signal_ratio"] == 1.0 and from_rewards:
+    supervised = POLICY_LOSSES[algorithm.loss.policy_loss].supervised  # SFT learns from the answers, not rewards
+    if metrics["groups/no_signal_ratio"] == 1.0 and from_rewards and not supervised:
         warning = no_signal_warning(scores[valid], n_samples_per_prompt=rollout.n_samples_per_prompt)
         warn_once(logger, warning, step + 1, int(advantages.group_index.unique().numel()), metrics["reward/mean"])
     # Versions behind the weights this step trained against, from each sample's oldest token.

@@ -249,12 +249,18 @@ class EmbeddedEngine:
         requests in flight). Raises: ValueError for an unknown mode."""
         return await asyncio.to_thread(self.pause_now, mode)
 
-    def pause_now(self, mode: PauseMode = "keep") -> list[GenerateOutput]:
-        """``pause`` for synchronous callers (scripts, ``close``, tests): blocks until no batch runs."""
+    def pause_now(self, mode: PauseMode = "keep", *, hold_new: bool = True) -> list[GenerateOutput]:
+        """``pause`` for synchronous callers (scripts, ``close``, tests): blocks until no batch runs.
+
+        ``hold_new``: with abort, a request submitted while the pause waits for the running batch is held until
+        ``resume`` (False: aborted too, for ``close``)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._state:
             self._paused = True
+            # What abort ends: the requests submitted before the pause. One submitted while it waits for the running
+            # batch (an aborted request resubmitted at once) is held until resume, as SGLang holds it.
+            waiting = {id(job) for job in self._queue + self._incoming}
             if mode != "keep":
                 self._pause_mode = mode
                 self._interrupt.set()
@@ -264,7 +270,11 @@ class EmbeddedEngine:
             outputs, self._interrupted = self._interrupted, []
             aborted: list[_Job] = []
             if mode == "abort":
-                aborted, self._queue, self._incoming = self._queue + self._incoming, [], []
+                if not hold_new:
+                    waiting |= {id(job) for job in self._queue + self._incoming}
+                aborted = [job for job in self._queue + self._incoming if id(job) in waiting]
+                self._queue = [job for job in self._queue if id(job) not in waiting]
+                self._incoming = [job for job in self._incoming if id(job) not in waiting]
         for job in aborted:  # queued: empty outputs, or the partial ones of retracted requests
             if job.started or job.future.set_running_or_notify_cancel():
                 outputs.append(self._finish(job, "abort"))
@@ -292,7 +302,7 @@ class EmbeddedEngine:
         """
         with self._state:
             worker = self._worker
-        self.pause_now("abort")
+        self.pause_now("abort", hold_new=False)
         if worker is not None:
             worker.join()  # pause returned once no batch runs: the thread only frees memory before it ends
 

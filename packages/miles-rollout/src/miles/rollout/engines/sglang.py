@@ -469,10 +469,7 @@ class SGLangWeightSink:
             self._send_bucket(bucket, version)
             num_buckets += 1
             nbytes += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
-        with concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
-            body = {"new_version": str(version), "abort_all_requests": False}  # SGLang's default would abort
-            futures = {url: pool.submit(self._post, url, "/update_weight_version", body) for url in self.urls}
-            self._raise_on_failure(futures, version, wait=True)
+        _set_weight_version(self._client, self.urls, version)
         self.version = version
         logger.debug(  # per step
             "pushed weights v%d to %d servers in %.2fs (%d buckets, %.1f MiB)",
@@ -579,20 +576,7 @@ class SGLangWeightSink:
             return {}
 
     def _post(self, url: str, path: str, body: dict[str, Any]) -> str | None:
-        """POST; None on success, else the one-line failure (SGLang answers ``{"success": false, "message"}``)."""
-        try:
-            response = self._client.post(url + path, json=body)
-        except httpx.HTTPError as err:
-            return f"{url}{path} failed: {err!r}"
-        try:
-            answer = response.json()
-        except ValueError:
-            answer = None
-        if isinstance(answer, dict) and answer.get("success") is False:
-            return f"{url}{path}: {answer.get('message')}"
-        if response.status_code != 200:
-            return f"{url}{path} answered {response.status_code}: {_message(response)}"
-        return None
+        return _post_for_result(self._client, url, path, body)
 
     @staticmethod
     def _wait(handles: list[Any], futures: dict[str, concurrent.futures.Future]) -> bool:
@@ -611,10 +595,28 @@ class SGLangWeightSink:
         only at those already in."""
         if wait:
             concurrent.futures.wait(futures.values())
-        errors = [e for e in (f.result() for f in futures.values() if f.done()) if e is not None]
-        if errors:
-            more = f" (and {len(errors) - 1} more servers)" if len(errors) > 1 else ""
-            raise WeightUpdateError(f"weight update v{version} failed: {' '.join(errors[0].split())}{more}")
+        _raise_first([e for e in (f.result() for f in futures.values() if f.done()) if e is not None], version)
+
+
+def _post_all(client: httpx.Client, path: str, bodies: dict[str, dict[str, Any]]) -> list[str]:
+    """POST each server (the keys of ``bodies``) its body, all at once; returns the one-line failures."""
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        results = pool.map(lambda url: _post_for_result(client, url, path, bodies[url]), bodies)
+        return [error for error in results if error is not None]
+
+
+def _raise_first(errors: list[str], version: int, how: str = "") -> None:
+    """Raise WeightUpdateError naming the first of ``errors`` (one per failed server), if any."""
+    if errors:
+        more = f" (and {len(errors) - 1} more servers)" if len(errors) > 1 else ""
+        raise WeightUpdateError(f"weight update v{version}{how} failed: {' '.join(errors[0].split())}{more}")
+
+
+def _set_weight_version(client: httpx.Client, urls: Sequence[str], version: int) -> None:
+    """The last request of an update: every server takes ``version`` (``/update_weight_version``, requests kept).
+    Raises: WeightUpdateError naming the first server that failed."""
+    body = {"new_version": str(version), "abort_all_requests": False}  # SGLang's default would abort
+    _raise_first(_post_all(client, "/update_weight_version", dict.fromkeys(urls, body)), version)
 
 
 def _post_for_result(client: httpx.Client, url: str, path: str, body: dict[str, Any]) -> str | None:
@@ -704,17 +706,11 @@ class SGLangDiskWeightSink:
             "weight_version": str(version),
         }
 
-        def post(url: str) -> str | None:
-            return _post_for_result(self._client, url, "/update_weights_from_disk", body)
-
-        with concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
-            errors = [error for error in pool.map(post, self.urls) if error is not None]
+        errors = _post_all(self._client, "/update_weights_from_disk", dict.fromkeys(self.urls, body))
         if not errors:
             errors = [f"{url}/get_weight_version is {got!r} after loading {path.name}" for url in self.urls
                       if (got := self._weight_version(url)) != str(version)]  # fmt: skip
-        if errors:
-            more = f" (and {len(errors) - 1} more servers)" if len(errors) > 1 else ""
-            raise WeightUpdateError(f"weight update v{version} from disk failed: {' '.join(errors[0].split())}{more}")
+        _raise_first(errors, version, " from disk")
         self.version = version
         logger.debug(  # per step
             "pushed weights v%d to %d servers through %s in %.2fs", version, len(self.urls), path,
@@ -847,18 +843,18 @@ class SGLangTensorWeightSink:
             payload = _serialize_for_ipc(bucket)  # raises for CPU tensors, before this bucket's requests
             if not self.tp_sizes:
                 self.tp_sizes = {url: self._tp_size(url) for url in self.urls}
-            self._post_all(version, "/update_weights_from_tensor", {url: {
+            bodies = {url: {
                 "serialized_named_tensors": [payload] * self.tp_sizes[url],
                 "load_format": None,  # a list of (name, tensor)
                 "flush_cache": False,  # the publisher flushes once, after the whole update
                 "abort_all_requests": False,  # the publisher paused the servers
-            } for url in self.urls})  # fmt: skip
+            } for url in self.urls}  # fmt: skip
+            _raise_first(_post_all(self._client, "/update_weights_from_tensor", bodies), version)
             num_buckets += 1
             nbytes += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
         if num_buckets == 0:
             raise ValueError("push got no tensors; pass the model's (name, tensor) pairs")
-        body = {"new_version": str(version), "abort_all_requests": False}  # SGLang's default would abort
-        self._post_all(version, "/update_weight_version", dict.fromkeys(self.urls, body))
+        _set_weight_version(self._client, self.urls, version)
         self.version = version
         logger.debug(  # per step
             "pushed weights v%d to %d servers through CUDA IPC in %.2fs (%d buckets, %.1f MiB)",
@@ -869,15 +865,6 @@ class SGLangTensorWeightSink:
     def close(self) -> None:
         """Close the HTTP connections."""
         self._client.close()
-
-    def _post_all(self, version: int, path: str, bodies: dict[str, dict[str, Any]]) -> None:
-        """POST each server its body, all at once. Raises: WeightUpdateError naming the first server that failed."""
-        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-            results = pool.map(lambda url: _post_for_result(self._client, url, path, bodies[url]), bodies)
-            errors = [error for error in results if error is not None]
-        if errors:
-            more = f" (and {len(errors) - 1} more servers)" if len(errors) > 1 else ""
-            raise WeightUpdateError(f"weight update v{version} failed: {' '.join(errors[0].split())}{more}")
 
     def _tp_size(self, url: str) -> int:
         """The server's tensor-parallel ranks (``/get_server_info`` ``tp_size``; 1 when it does not say)."""
