@@ -22,22 +22,30 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 MODES = ["sync", "one_step_off", "fully_async"]
 
 
 def run_job(name: str, args: list[str], out: Path) -> dict:
     """Run one ``miles train --run.dir out --run.name name *args``, polling its ``metrics.jsonl``; return the per-step
-    rows, their arrival times (``time.perf_counter``), the exit code and the run directory."""
+    rows, their arrival times (``time.perf_counter``), the exit code, the run directory and ``peak_mib``: the most
+    memory the machine had in use during the run (total - available, sampled every 0.1 s) above what it had in use
+    before it started, in MiB (the whole run: driver, servers, Ray's processes and actors)."""
     run_dir = out / name
     command = [sys.executable, "-m", "miles.recipes.cli", "train", "--run.dir", str(out), "--run.name", name, *args]
     metrics = run_dir / "metrics.jsonl"
     rows: dict[int, dict] = {}
     arrival: dict[int, float] = {}
+    in_use = psutil.virtual_memory()
+    before, peak = in_use.total - in_use.available, 0
     with (out / f"{name}.out").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         seen = 0
         while True:
             done = process.poll() is not None
+            in_use = psutil.virtual_memory()
+            peak = max(peak, in_use.total - in_use.available - before)
             if metrics.exists():
                 lines = metrics.read_text().splitlines()
                 now = time.perf_counter()
@@ -52,7 +60,13 @@ def run_job(name: str, args: list[str], out: Path) -> dict:
             if done:
                 break
             time.sleep(0.1)
-    return {"rows": rows, "arrival": arrival, "returncode": process.returncode, "dir": run_dir}
+    return {
+        "rows": rows,
+        "arrival": arrival,
+        "returncode": process.returncode,
+        "dir": run_dir,
+        "peak_mib": peak / 2**20,
+    }
 
 
 def summarize(result: dict, steps: int, samples_per_step: int) -> dict:

@@ -1,14 +1,18 @@
-"""Ray mode vs local mode on the default task: the overhead of Ray, as a ratio of trained samples/s, in one run.
+"""Ray mode (disaggregated and colocated) vs local mode on the default task: the overhead of Ray, as a ratio of
+trained samples/s, and the peak memory each needs, in one run.
 
     uv run python benchmarks/loop/bench_ray.py [--steps 6] [--repeats 1] [--out DIR]
 
-Both runs are the README's default job (``miles train``: GRPO on SmolLM2-135M-Instruct, 8 prompts x 8 samples per
+All runs are the README's default job (``miles train``: GRPO on SmolLM2-135M-Instruct, 8 prompts x 8 samples per
 step) with the same engines and trainer: two ``miles serve`` servers behind the real sglang-router and one FSDP2
 trainer rank. Local mode starts the servers as child processes and trains in the driver; Ray mode
 (``--execution.mode ray``) starts a local Ray cluster, places the trainer rank in an actor and each server in an
-actor of its own, and pushes the weights from the trainer actor to the servers. What differs is only where the
-processes live and how they are called. The rate is measured as in ``bench_async_task.py`` (steps 2 .. N-1; startup,
-evals and the last row not timed); with ``--repeats`` > 1 the modes alternate and the median is reported.
+actor of its own, and pushes the weights from the trainer actor to the servers; Ray colocated
+(``--execution.ray.colocate true``) puts each server's actor in the trainer's bundle and has the servers free their
+weights while the trainer trains. What differs is only where the processes live, how they are called and who holds
+memory when. The rate is measured as in ``bench_async_task.py`` (steps 2 .. N-1; startup, evals and the last row
+not timed), and so is the peak memory (in use on the machine during the run, above what was in use before it);
+with ``--repeats`` > 1 the modes alternate and the medians are reported.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ ENGINES = [
     "--engine.type", "sglang", "--engine.server", "miles", "--engine.num-servers", "2",
     "--engine.router", "true", "--engine.router-policy", "round_robin",
 ]  # fmt: skip
-MODES = {"local": [], "ray": ["--execution.mode", "ray"]}
+MODES = {
+    "local": [],
+    "ray": ["--execution.mode", "ray"],
+    "ray colocated": ["--execution.mode", "ray", "--execution.ray.colocate", "true"],
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,22 +53,25 @@ def main(argv: list[str] | None = None) -> None:
         for mode, extra in MODES.items():
             start = time.perf_counter()
             job = [*ENGINES, *extra, "--loop.num-steps", str(args.steps)]
-            result = run_job(f"{mode}-{repeat}", job, out)
+            result = run_job(f"{mode.replace(' ', '_')}-{repeat}", job, out)
             if result["returncode"] != 0:
                 sys.exit(f"{mode} failed with exit {result['returncode']}: see {out}/{mode}-{repeat}.out")
-            summary = summarize(result, args.steps, 64)
+            summary = summarize(result, args.steps, 64) | {"peak_mib": result["peak_mib"]}
             results[mode].append(summary)
-            rate, reward = summary["samples_per_s"], summary["reward"]
-            print(f"{mode} #{repeat} ({time.perf_counter() - start:.0f} s): {rate:.3f} samples/s, reward {reward}")
+            rate, reward, peak = summary["samples_per_s"], summary["reward"], summary["peak_mib"]
+            print(f"{mode} #{repeat} ({time.perf_counter() - start:.0f} s): {rate:.3f} samples/s, reward {reward}, "
+                  f"peak memory +{peak:.0f} MiB")  # fmt: skip
 
     rate = {mode: statistics.median(r["samples_per_s"] for r in runs) for mode, runs in results.items()}
     header = f"trained samples/s (median of {args.repeats})"
-    print(f"\n| execution.mode | {header} | vs local | s/step | eval/reward after |")
-    print("|---|---|---|---|---|")
+    print(f"\n| execution | {header} | vs local | s/step | peak memory in use, MiB | eval/reward after |")
+    print("|---|---|---|---|---|---|")
     for mode, runs in results.items():
         seconds = statistics.median(r["seconds_per_step"] for r in runs)
+        peak = statistics.median(r["peak_mib"] for r in runs)
         evals = ", ".join(f"{r['eval_after']:.3f}" for r in runs)
-        print(f"| {mode} | {rate[mode]:.3f} | {rate[mode] / rate['local']:.2f}x | {seconds:.1f} | {evals} |")
+        ratio = rate[mode] / rate["local"]
+        print(f"| {mode} | {rate[mode]:.3f} | {ratio:.2f}x | {seconds:.1f} | {peak:.0f} | {evals} |")
 
 
 if __name__ == "__main__":

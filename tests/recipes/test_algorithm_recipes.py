@@ -111,6 +111,11 @@ def test_a_group_baseline_with_one_sample_per_prompt_is_refused_before_training(
             r"rollout.n_samples_per_prompt is 8 with algorithm.loss.policy_loss 'sft': .* 8 identical copies",
             id="sft_with_groups_of_eight",
         ),
+        pytest.param(
+            ["--algorithm.loss.policy-loss", "sft"],
+            r"8 identical copies .* Set --rollout.n-samples-per-prompt 1 --rollout.mode sft \(",
+            id="sft_loss_alone_names_both_fixes",
+        ),
         pytest.param(["--models.critic.path", "x"], "never reads critic values", id="critic_without_gae"),
         pytest.param(
             ["--algorithm.advantage.estimator", "gae"],

@@ -605,11 +605,12 @@ def check_group_size(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None
             "a group baseline (--algorithm.advantage.estimator reinforce_plus_plus or gae)."
         )
     if POLICY_LOSSES[algorithm.loss.policy_loss].supervised and n > 1:
+        mode = "" if rollout.mode == "sft" else " --rollout.mode sft"  # the other half of SFT, in the same line
         raise ValueError(
             f"rollout.n_samples_per_prompt is {n} with algorithm.loss.policy_loss 'sft': supervised fine-tuning "
-            f"trains each prompt's reference answer, so every step would train {n} identical copies of it (a {n}x "
-            "weight on the same rows). Set --rollout.n-samples-per-prompt 1 (and --rollout.rollout-batch-size for "
-            "more answers per step)."
+            f"trains each prompt's reference answer, so every step would train {n} identical copies of it (each "
+            f"row weighted {n} times). Set --rollout.n-samples-per-prompt 1{mode} (and --rollout.rollout-batch-size "
+            "for more answers per step)."
         )
     if algorithm.dynamic_sampling is not None and n < 2:
         raise ValueError(

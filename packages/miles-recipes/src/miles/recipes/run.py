@@ -709,6 +709,8 @@ def run(
             _remove_run_dir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         launched.move_logs(run_dir / "servers")
+        if launched.actor_logs or launched.processes:  # the start lines named the logs' first place
+            logger.info("engine server and router logs: %s", run_dir / "servers")
         start_log()
         write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         checkpoints = run_dir / "checkpoints"

@@ -434,6 +434,8 @@ def _sglang(
     )
     where = ", ".join(urls) + (f" behind sglang-router at {router_url}" if router_url else "")
     owner = ", each in a Ray actor" if launched.server_actors else ""
+    if colocate_with is not None and launched.server_actors:
+        owner += " in a trainer rank's bundle (colocated)"
     launched.sink_factory = SGLangSinkFactory(
         tuple(engine.worker_urls), disk_root=disk_root, config_from=str(model_path) if disk_root else ""
     )

@@ -199,9 +199,15 @@ class SGLangRouter:
         except BaseException:
             self.stop()
             raise
-        logger.info(
-            "sglang-router at %s routes to %d workers (policy %s)", self.url, len(self._initial_workers), self.policy
-        )
+        if self._initial_workers:
+            logger.info(
+                "sglang-router at %s routes to %d workers (policy %s)",
+                self.url,
+                len(self._initial_workers),
+                self.policy,
+            )
+        else:  # Ray mode: each server joins once its actor serves
+            logger.info("sglang-router at %s is up (policy %s); the servers join as they start", self.url, self.policy)
         return self
 
     def workers(self) -> list[str]:
