@@ -271,13 +271,13 @@ def test_colocation_frees_the_engines_for_training_and_pushes_into_weights_befor
     log = []
     engines = [MemoryEngine("a", log), MemoryEngine("b", log)]
     backend = OffloadingBackend(log)
-    colocation = Colocation(engines, backend)
+    colocation = Colocation(engines)
     publisher = EnginePublisher(backend, engines, colocation=colocation)
-    colocation.start()
+    colocation.start(backend)
     assert log == [("backend", "offload")]  # the trainer leaves the devices to the first rollout
     log.clear()
-    colocation.to_trainer()
-    colocation.to_trainer()  # once per rollout: a second call frees nothing twice
+    colocation.to_trainer(backend)
+    colocation.to_trainer(backend)  # once per rollout: a second call frees nothing twice
     assert log == [("a", "release", None), ("b", "release", None), ("backend", "onload")]
     assert colocation.released
     log.clear()
@@ -307,10 +307,11 @@ def test_colocation_frees_the_engines_for_training_and_pushes_into_weights_befor
 def test_colocation_with_a_trainer_that_holds_no_accelerator_memory_only_moves_the_engines():
     log = []
     engine = MemoryEngine("a", log)
-    colocation = Colocation([engine], PushingBackend(log))  # no offload / onload: the CPU FSDP2 trainer
-    publisher = EnginePublisher(colocation.backend, [engine], colocation=colocation)
-    colocation.start()
-    colocation.to_trainer()
+    backend = PushingBackend(log)  # no offload / onload: the CPU FSDP2 trainer
+    colocation = Colocation([engine])
+    publisher = EnginePublisher(backend, [engine], colocation=colocation)
+    colocation.start(backend)
+    colocation.to_trainer(backend)
     publisher.publish()
     assert [entry[1:] for entry in log] == [
         ("release", None),
@@ -327,9 +328,9 @@ def test_a_failed_colocated_push_leaves_the_kv_cache_released_and_keeps_the_vers
     log = []
     engine = MemoryEngine("a", log)
     backend = PushingBackend(log, fail_at={1})
-    colocation = Colocation([engine], backend)
+    colocation = Colocation([engine])
     publisher = EnginePublisher(backend, [engine], colocation=colocation)
-    colocation.to_trainer()
+    colocation.to_trainer(backend)
     with pytest.raises(WeightUpdateError):
         publisher.publish()
     assert publisher.version == 0 and colocation.released == {"kv_cache"}
@@ -374,7 +375,7 @@ def test_the_loop_frees_the_colocated_engines_after_the_rollout_and_before_the_t
 
     engine = MemoryEngine("a", log)
     backend = LoggedBackend()
-    colocation = Colocation([engine], backend)
+    colocation = Colocation([engine])
     c = Components(
         data_source=TokenPrompts(),
         generate_group=generate_group,

@@ -310,7 +310,7 @@ def run_step(
     t0 = time.perf_counter()
     result = rollout_stage(c, step=step, rollout=rollout, algorithm=algorithm, producer=producer, plugins=plugins)
     if c.colocation is not None:  # the engines free their memory before the trainer's first forward
-        c.colocation.to_trainer()
+        c.colocation.to_trainer(c.backend)
     advantages = advantage_stage(c, result, rollout=rollout, algorithm=algorithm, objective=objective, plugins=plugins)
     t1 = time.perf_counter()
     train_metrics = train_stage(c.backend, advantages.batch, objective, rollout.steps_per_rollout)

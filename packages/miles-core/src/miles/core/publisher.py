@@ -156,22 +156,23 @@ class Colocation:
         engines: objects with ``release_memory(tags)`` / ``resume_memory(tags)``, SGLang's memory tags ("weights",
             "kv_cache"; None = all): ``SGLangEngine`` (every server; ``miles serve`` frees its parameters for real,
             SGLang its GPU memory).
-        backend: the trainer. Its optional ``offload()`` / ``onload()`` move its state off / onto the accelerator;
-            ``offload`` must leave ``push_weights`` working (slime pushes from a host copy). The FSDP2 trainer runs
-            on CPU here and has neither: it holds no accelerator memory.
+
+    The trainer is passed to each call (the loop's and the publisher's current one: a trainer restart replaces
+    it). Its optional ``offload()`` / ``onload()`` move its state off / onto the accelerator; ``offload`` must
+    leave ``push_weights`` working (slime pushes from a host copy). The FSDP2 trainer runs on CPU here and has
+    neither: it holds no accelerator memory.
     """
 
-    def __init__(self, engines: Sequence[Any], backend: Any) -> None:
+    def __init__(self, engines: Sequence[Any]) -> None:
         self.engines = list(engines)
-        self.backend = backend
         self.released: set[str] = set()  # SGLang's memory tags the engines have freed now
         self.seconds = 0.0  # spent handing memory over since the last ``metrics``
 
-    def start(self) -> None:
+    def start(self, backend: Any) -> None:
         """Before the first rollout: the trainer offloads (it loaded onto the devices the engines generate on)."""
-        self._call_backend("offload")
+        _call_optional(backend, "offload")
 
-    def to_trainer(self) -> None:
+    def to_trainer(self, backend: Any) -> None:
         """After a rollout: the engines free everything, the trainer onloads. Nothing when already released.
 
         Raises: what an engine raises (RuntimeError naming the server, e.g. requests still running)."""
@@ -181,15 +182,15 @@ class Colocation:
         for engine in self.engines:
             engine.release_memory(None)
         self.released = {"weights", "kv_cache"}
-        self._call_backend("onload")
+        _call_optional(backend, "onload")
         self.seconds += time.perf_counter() - start
 
-    def before_push(self) -> None:
+    def before_push(self, backend: Any) -> None:
         """The trainer offloads, the engines re-allocate their weights (zero-filled until the push)."""
         if not self.released:
             return
         start = time.perf_counter()
-        self._call_backend("offload")
+        _call_optional(backend, "offload")
         if "weights" in self.released:  # not again after a failed push (a restarted trainer's publish)
             for engine in self.engines:
                 engine.resume_memory(["weights"])
@@ -211,10 +212,12 @@ class Colocation:
         seconds, self.seconds = self.seconds, 0.0
         return {"time/colocation": seconds}
 
-    def _call_backend(self, method: str) -> None:
-        fn = getattr(self.backend, method, None)
-        if fn is not None:
-            fn()
+
+def _call_optional(backend: Any, method: str) -> None:
+    """``backend.<method>()`` when the backend has that optional capability (``TrainBackend``'s offload/onload)."""
+    fn = getattr(backend, method, None)
+    if fn is not None:
+        fn()
 
 
 class EnginePublisher:
@@ -286,7 +289,7 @@ class EnginePublisher:
             try:  # an engine that failed to pause (a server gone) must not leave the others paused
                 run_sync(control_all(self.engines, "pause", self.pause_mode))
                 if self.colocation is not None:
-                    self.colocation.before_push()
+                    self.colocation.before_push(self.backend)
                 self.backend.push_weights(version)
                 if self.colocation is not None:
                     self.colocation.after_push()

@@ -693,7 +693,7 @@ def run(
             )
         pause_mode = cfg.loop.pause_mode or getattr(cfg.engine, "pause_mode", "keep")
         probe = build_probe(cfg, tokenizer)
-        colocation = Colocation([engine], backend) if cfg.execution.ray.colocate else None
+        colocation = Colocation([engine]) if cfg.execution.ray.colocate else None
         publisher = EnginePublisher(backend, [engine], pause_mode=pause_mode, probe=probe, colocation=colocation)
         generate_group = build_rollout(cfg, engine, tokenizer)
         eval_generate_group = build_eval_rollout(cfg, engine, tokenizer)
@@ -793,7 +793,7 @@ def run(
             colocation=colocation,
         )
         if colocation is not None:
-            colocation.start()
+            colocation.start(backend)
         if launched.server_actors:  # Ray mode: a dead server is restarted, re-weighted and re-added to the router
             supervisor = launched.supervise(engine_resync(components, launched.sink_factory))
             components.engine_health = supervisor.check  # engine/restarts; an engine that stays dead stops the run
@@ -1035,13 +1035,10 @@ def _restore_checkpoint(
     """Restore ``checkpoint`` into a built trainer and data source (``restore_run_checkpoint``: weights, optimizer,
     data position, RNG states) and push its weights to ``engine``, which holds others (models.policy.path's, or
     newer ones), as the checkpoint's weight version. Returns (the publisher, continuing from that version; the
-    checkpoint's step). With ``colocation`` (which then hands memory with ``backend``) the push re-allocates
-    engines that released their memory."""
+    checkpoint's step). With ``colocation`` the push re-allocates engines that released their memory."""
     from miles.core.publisher import EnginePublisher
 
     state = restore_run_checkpoint(checkpoint, backend=backend, data_source=data_source)
-    if colocation is not None:
-        colocation.backend = backend
     publisher = EnginePublisher(
         backend,
         [engine],
@@ -1094,8 +1091,6 @@ def _restart_trainer(
         components.data_source.load_state_dict(data_state)
         restore_rng_state(rng_state)
         version, guard, probe = engine.weight_version, components.publisher.guard, components.publisher.probe
-        if components.colocation is not None:
-            components.colocation.backend = backend
         publisher = EnginePublisher(
             backend,
             [engine],
