@@ -340,13 +340,22 @@ def test_health_check_settings_are_validated():
             "--engine.health-check-interval-s.",
             id="worker_monitor_interval_in_ray_mode",
         ),
+        pytest.param(
+            {"type": "vllm", "health_check": {"timeout_s": 9.0}},
+            "local",
+            "engine.health_check.timeout_s is 9.0 but execution.mode is 'local': the engine supervisor runs in Ray "
+            "mode only, where Ray owns the servers and restarts them. Set --execution.mode ray, or drop "
+            "--engine.health-check.timeout-s.",
+            id="vllm_supervisor_settings_in_local_mode",
+        ),
     ],
 )
 def test_a_health_setting_the_execution_mode_does_not_read_is_refused_naming_the_key(engine, mode, expected):
-    from miles.rollout.config import SGLangEngineConfig, check_engine_health_settings
+    from miles.rollout.config import SGLangEngineConfig, VLLMEngineConfig, check_engine_health_settings
 
+    config = VLLMEngineConfig(**engine) if engine.get("type") == "vllm" else SGLangEngineConfig(**engine)
     with pytest.raises(ValueError) as err:
-        check_engine_health_settings(SGLangEngineConfig(**engine), execution_mode=mode)
+        check_engine_health_settings(config, execution_mode=mode)
     assert str(err.value) == expected
 
 
@@ -369,6 +378,12 @@ def test_supervisor_settings_for_servers_miles_does_not_start_are_refused():
 
     with pytest.raises(ValueError, match=r"engine.health_check.max_consecutive_failures is 3 but engine.urls names"):
         SGLangEngineConfig(urls=["http://127.0.0.1:30001"], health_check={"max_consecutive_failures": 3})
+    from miles.rollout.config import VLLMEngineConfig
+
+    with pytest.raises(ValueError, match=r"engine.health_check.interval_s is 2.0 but engine.urls names"):
+        VLLMEngineConfig(urls=["http://127.0.0.1:30001"], health_check={"interval_s": 2.0})
+    check_vllm = VLLMEngineConfig(health_check={"interval_s": 2.0, "restart_timeout_s": 120.0})
+    assert check_vllm.health_check.interval_s == 2.0  # servers Miles starts: the supervisor's to read
 
 
 # -- a restarted actor's clean-up of its previous server -------------------------------------------

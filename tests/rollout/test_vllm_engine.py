@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 from miles.core.config import SamplingConfig
-from miles.core.protocols import GenerateRequest
+from miles.core.protocols import GenerateRequest, RequestFailed
 from miles.rollout.engines.server import ServerProcess, ServerStartError, free_port
 from miles.rollout.engines.vllm import (
     EMPTY_DIGEST,
@@ -114,6 +114,80 @@ def test_a_server_that_is_down_fails_control_calls_naming_it_and_makes_the_engin
         asyncio.run(engine.pause("keep"))
     assert servers.hosts("/pause") == ["http://s0"]  # the other server was still paused: the caller resumes it
     assert asyncio.run(engine.health()) is False
+
+
+def test_an_unsupervised_engine_sends_a_failed_request_to_the_next_server_and_keeps_every_server_in_rotation():
+    servers = FakeVLLMServers(down={"http://s1"})
+    engine = VLLMEngine(["http://s0", "http://s1"], model="m", transport=httpx.MockTransport(servers))
+    sampling = SamplingConfig(max_new_tokens=1)
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(GenerateRequest([1, i], sampling, seed=i)) for i in range(4)))
+
+    assert [o.response_tokens for o in asyncio.run(run())] == [[7]] * 4  # s1's 2 went to s0
+    assert engine.requests_sent == {"http://s0": 4, "http://s1": 0}
+    assert engine.in_rotation() == ["http://s0", "http://s1"]  # nothing re-adds a server here: it stays in
+
+
+def test_a_supervised_engine_takes_a_lost_server_out_of_rotation_until_the_supervisor_adds_it_back_resumed():
+    servers = FakeVLLMServers(down={"http://s1"})
+    engine = VLLMEngine(["http://s0", "http://s1"], model="m", supervised=True, transport=httpx.MockTransport(servers))
+    sampling = SamplingConfig(max_new_tokens=1)
+
+    async def run(n):
+        outputs = await asyncio.gather(*(engine.generate(GenerateRequest([1, i], sampling, seed=i)) for i in range(n)))
+        for call in (engine.pause("retract"), engine.flush_cache(), engine.resume()):
+            await call
+        return [o.response_tokens for o in outputs], await engine.health()
+
+    assert asyncio.run(run(4)) == ([[7]] * 4, True)  # control calls and health skip the server out of rotation
+    assert engine.in_rotation() == engine.workers() == ["http://s0"]
+    assert servers.hosts("/v1/completions") == ["http://s0"] * 4  # s1 refused one connection, then got nothing
+    for path in ("/pause", "/reset_prefix_cache", "/resume", "/health"):
+        assert servers.hosts(path) == ["http://s0"], path
+    servers.down.clear()  # restarted: back only through add_worker, which resumes it first
+    assert asyncio.run(run(2))[0] == [[7], [7]] and engine.in_rotation() == ["http://s0"]
+    engine.add_worker("http://s1/")
+    assert servers.hosts("/resume")[-1] == "http://s1" and engine.in_rotation() == ["http://s0", "http://s1"]
+    assert sorted(asyncio.run(run(2))[0]) == [[7], [8]]
+    engine.remove_worker("http://s0")
+    engine.remove_worker("http://s0")  # idempotent
+    assert engine.in_rotation() == ["http://s1"]
+    with pytest.raises(ValueError, match=r"http://s9 is not one of this engine's vLLM servers"):
+        engine.remove_worker("http://s9")
+
+
+def test_with_every_server_out_of_rotation_a_request_waits_for_one_to_come_back_or_fails_at_its_timeout():
+    servers = FakeVLLMServers()
+    engine = VLLMEngine(
+        ["http://s0", "http://s1"], model="m", supervised=True, request_timeout_s=30.0,
+        transport=httpx.MockTransport(servers),
+    )  # fmt: skip
+    engine.remove_worker("http://s0")
+    engine.remove_worker("http://s1")
+    request = GenerateRequest([1, 2], SamplingConfig(max_new_tokens=1), seed=0)
+
+    async def back_after_a_while():
+        task = asyncio.ensure_future(engine.generate(request))
+        await asyncio.sleep(0.5)
+        assert not task.done()  # nothing to send it to yet
+        await asyncio.to_thread(engine.add_worker, "http://s1")
+        return await asyncio.wait_for(task, timeout=10.0)
+
+    assert asyncio.run(back_after_a_while()).response_tokens == [8]
+    engine.remove_worker("http://s1")
+    engine.request_timeout_s = 0.3
+    with pytest.raises(RequestFailed, match=r"no vLLM server in rotation for 0.3s"):
+        asyncio.run(engine.generate(request))
+
+
+def test_a_vllm_sink_factory_for_one_server_keeps_the_settings_and_refuses_another_url():
+    from miles.rollout.engines.launch import VLLMSinkFactory
+
+    factory = VLLMSinkFactory(("http://a:1", "http://b:2"), model="m", dtype="bf16", delta=True)
+    assert factory.only("http://b:2") == VLLMSinkFactory(("http://b:2",), model="m", dtype="bf16", delta=True)
+    with pytest.raises(ValueError, match=r"http://c:3 is not one of the servers"):
+        factory.only("http://c:3")
 
 
 def test_the_weight_sinks_blocking_posts_reach_every_server_from_inside_an_event_loop_too():

@@ -380,7 +380,8 @@ def engine_resync(components: Components, sink_factory: Any) -> Callable[[str], 
 
     Args:
         components: the loop's components (read at each call).
-        sink_factory: ``LaunchedEngine.sink_factory`` (``SGLangSinkFactory`` of every server).
+        sink_factory: ``LaunchedEngine.sink_factory`` (``SGLangSinkFactory`` / ``VLLMSinkFactory`` of every
+            server).
     Returns: ``on_restarted(url)``; it raises what ``RayTrainGroup.push_weights_to`` raises.
     """
 

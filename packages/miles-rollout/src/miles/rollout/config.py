@@ -357,7 +357,26 @@ class _ServerEngineConfig(_Section):
         description="engine.weight_transfer disk: the shared directory the versions go to (the newest 2 stay); "
         "empty = a directory beside the run directory, removed when the run ends.",
     )
+    health_check: HealthCheckConfig = Field(
+        default_factory=HealthCheckConfig,
+        description="execution.mode ray: how the engine supervisor probes the servers Miles starts (each owned by "
+        "a Ray actor that Ray restarts) and when it restarts one; a restarted server is brought to the run's "
+        "current weights before it serves requests again (it rejoins the router, or the vLLM engine's rotation). "
+        "Not used in local mode or with engine.urls.",
+    )
     probe: ProbeConfig = _probe_field()
+
+    @model_validator(mode="after")
+    def _check_health(self) -> _ServerEngineConfig:
+        if self.urls and self.health_check != HealthCheckConfig():
+            changed = next(k for k, v in self.health_check if v != HealthCheckConfig.model_fields[k].default)
+            key = f"engine.health_check.{changed}"
+            raise ValueError(
+                f"{key} is {getattr(self.health_check, changed)!r} but engine.urls names servers that already run: "
+                "the supervisor restarts only servers Miles starts (in Ray actors). Drop "
+                f"--{key.replace('_', '-')}, or drop --engine.urls to let Miles start the servers."
+            )
+        return self
 
 
 class VLLMEngineConfig(_ServerEngineConfig):
@@ -407,12 +426,6 @@ class SGLangEngineConfig(_ServerEngineConfig):
         "(a dead one leaves the router, a server answering again at its URL comes back). Ray mode uses "
         "engine.health_check instead.",
     )
-    health_check: HealthCheckConfig = Field(
-        default_factory=HealthCheckConfig,
-        description="execution.mode ray: how the engine supervisor probes the servers Miles starts (each owned by "
-        "a Ray actor that Ray restarts) and when it restarts one; a restarted server is brought to the run's "
-        "current weights before it rejoins the router. Not used in local mode or with engine.urls.",
-    )
     routed_experts: bool = Field(
         False,
         description="MoE routing replay (R3): every /generate asks for the experts each token was routed to "
@@ -432,14 +445,6 @@ class SGLangEngineConfig(_ServerEngineConfig):
                 "engine.routed_experts is true but engine.server is 'miles': miles serve runs dense models and "
                 "reports no routed experts. Use --engine.server sglang (GPU) or drop --engine.routed-experts."
             )
-        if self.urls and self.health_check != HealthCheckConfig():
-            changed = next(k for k, v in self.health_check if v != HealthCheckConfig.model_fields[k].default)
-            key = f"engine.health_check.{changed}"
-            raise ValueError(
-                f"{key} is {getattr(self.health_check, changed)!r} but engine.urls names servers that already run: "
-                "the supervisor restarts only servers Miles starts (in Ray actors). Drop "
-                f"--{key.replace('_', '-')}, or drop --engine.urls to let Miles start the servers."
-            )
         return self
 
 
@@ -451,18 +456,20 @@ def check_engine_health_settings(engine: Any, *, execution_mode: str) -> None:
     ``engine.urls``.
     Raises: ValueError naming the key, the mode and the key to set instead.
     """
-    if not isinstance(engine, SGLangEngineConfig):
+    if not isinstance(engine, _ServerEngineConfig):
         return
+    sglang = isinstance(engine, SGLangEngineConfig)  # only it has the router's worker monitor
     if execution_mode != "ray" and engine.health_check != HealthCheckConfig():
         changed = next(k for k, v in engine.health_check if v != HealthCheckConfig.model_fields[k].default)
         key = f"engine.health_check.{changed}"
         raise ValueError(
             f"{key} is {getattr(engine.health_check, changed)!r} but execution.mode is {execution_mode!r}: the engine "
             "supervisor runs in Ray mode only, where Ray owns the servers and restarts them. Set --execution.mode "
-            f"ray, or drop --{key.replace('_', '-')} (local mode: --engine.health-check-interval-s)."
+            f"ray, or drop --{key.replace('_', '-')}"
+            + (" (local mode: --engine.health-check-interval-s)." if sglang else ".")
         )
     default_interval = SGLangEngineConfig.model_fields["health_check_interval_s"].default
-    if execution_mode == "ray" and not engine.urls and engine.health_check_interval_s != default_interval:
+    if sglang and execution_mode == "ray" and not engine.urls and engine.health_check_interval_s != default_interval:
         raise ValueError(
             f"engine.health_check_interval_s is {engine.health_check_interval_s:g} but execution.mode is 'ray', where "
             "the servers Miles starts are watched by the engine supervisor instead. Set "

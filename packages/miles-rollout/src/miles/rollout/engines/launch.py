@@ -46,6 +46,9 @@ class LaunchedEngine:
         router: the sglang-router Miles started (``SGLangRouter``), or None.
         health_check: the supervisor's settings (``engine.health_check``) for ``server_actors``.
         actor_logs: the log files of ``server_actors``, which every incarnation of an actor reopens by path.
+        rotation: what the supervisor takes a dead server out of and puts a restored one back into
+            (``remove_worker`` / ``add_worker``): the sglang-router, or the ``VLLMEngine``, which routes its own
+            requests; None: nothing (servers without a router are reachable again before their resync).
     """
 
     engine: Any
@@ -58,6 +61,7 @@ class LaunchedEngine:
     router: Any = None
     health_check: HealthCheckConfig | None = None
     actor_logs: list[Path] = field(default_factory=list)
+    rotation: Any = None
 
     def move_logs(self, directory: Path) -> None:
         """Move the started processes' log files into ``directory`` (same file system: they keep writing).
@@ -96,7 +100,7 @@ class LaunchedEngine:
                 "mode, servers Miles starts)"
             )
         supervisor = EngineSupervisor(
-            self.server_actors, config=self.health_check, on_restarted=on_restarted, router=self.router
+            self.server_actors, config=self.health_check, on_restarted=on_restarted, router=self.rotation
         ).start()
         self.closers.append(supervisor.stop)
         return supervisor
@@ -194,6 +198,13 @@ class VLLMSinkFactory:
         client = VLLMEngine(self.urls, model=self.model, request_timeout_s=self.timeout_s)
         return _vllm_sink(client, self)
 
+    def only(self, url: str) -> VLLMSinkFactory:
+        """The factory of a sink for server ``url`` alone (one of ``urls``), e.g. a restarted one that left the
+        weight group. Raises: ValueError for a URL that is not one of ``urls``."""
+        if url not in self.urls:
+            raise ValueError(f"VLLMSinkFactory.only: {url} is not one of the servers {list(self.urls)}")
+        return dataclasses.replace(self, urls=(url,))
+
 
 def _vllm_sink(engine: Any, factory: VLLMSinkFactory) -> Any:
     """The weight sink ``factory`` describes, on ``engine`` (a ``VLLMEngine``)."""
@@ -242,10 +253,10 @@ def launch_engine(
         remote_sink: the weights are pushed from another process through ``LaunchedEngine.sink_factory`` (a Ray
             trainer actor): a vLLM engine then reads its weight version from the servers on every ``resume``
             (SGLang engines always do), since the sink that sets it is not this process's.
-        server_actors: execution.mode ray: the SGLang-API servers Miles starts each run in a Ray actor
-            (``ServerActor``, in the Ray session this process has), which Ray restarts; with ``engine.router``
-            the router starts first. ``LaunchedEngine.supervise`` then watches them. Servers named by
-            ``engine.urls`` and vLLM servers stay as they are (a warning says so for vLLM).
+        server_actors: execution.mode ray: the servers Miles starts each run in a Ray actor (``ServerActor``, in
+            the Ray session this process has), which Ray restarts; with ``engine.router`` the router starts
+            first. ``LaunchedEngine.supervise`` then watches them. Servers named by ``engine.urls`` stay as they
+            are.
         colocate_with: with ``server_actors``, the trainer's Ray placement group (``execution.ray.colocate``):
             server i's actor runs in its bundle i modulo the bundle count, beside trainer rank i. None: on this
             (the driver's) node, outside any bundle.
@@ -258,9 +269,10 @@ def launch_engine(
         return _embedded(cfg, model_path)
     disk_root = _disk_root(cfg, weight_dir, log_dir)
     if isinstance(cfg, VLLMEngineConfig):
-        if server_actors and not cfg.urls:
-            logger.warning("vLLM servers run as processes of this one, not Ray actors: a dead one is not restarted")
-        launched = _vllm(cfg, model_path, Path(log_dir), seed, remote_sink=remote_sink, disk_root=disk_root)
+        launched = _vllm(
+            cfg, model_path, Path(log_dir), seed, remote_sink=remote_sink, disk_root=disk_root,
+            server_actors=server_actors,
+        )  # fmt: skip
     elif isinstance(cfg, SGLangEngineConfig):
         launched = _sglang(
             cfg,
@@ -305,13 +317,23 @@ def _server_env(cfg: Any) -> dict[str, str]:
 
 
 def _vllm(
-    cfg: VLLMEngineConfig, model_path: str | Path, log_dir: Path, seed: int, *, remote_sink: bool, disk_root: str
+    cfg: VLLMEngineConfig,
+    model_path: str | Path,
+    log_dir: Path,
+    seed: int,
+    *,
+    remote_sink: bool,
+    disk_root: str,
+    server_actors: bool = False,
 ) -> LaunchedEngine:
     from miles.rollout.engines.vllm import VLLMEngine, launch_vllm_servers
 
     servers = []
     urls = list(cfg.urls)
-    if not urls:
+    launched = LaunchedEngine(None, None, "")
+    if server_actors and not urls:
+        urls = _start_vllm_actors(cfg, model_path, log_dir, launched, seed)
+    elif not urls:
         servers = launch_vllm_servers(
             model_path,
             num_servers=cfg.num_servers,
@@ -328,14 +350,22 @@ def _vllm(
             extra_args=cfg.extra_args,
         )
         urls = [server.url for server in servers]
+    try:
+        stop_ids = stop_token_ids(model_path)
+    except BaseException:  # nothing else may keep the servers it started running
+        launched.close()
+        for server in servers:
+            server.stop()
+        raise
     engine = VLLMEngine(
         urls,
         model=str(model_path),
-        stop_token_ids=stop_token_ids(model_path),
+        stop_token_ids=stop_ids,
         request_timeout_s=cfg.request_timeout_s,
         max_retries=cfg.max_retries,
         servers=servers,
         version_from_servers=remote_sink,
+        supervised=bool(launched.server_actors),
     )
     factory = VLLMSinkFactory(
         tuple(engine.urls),
@@ -347,10 +377,61 @@ def _vllm(
         disk_root=disk_root,
     )
     sink = _vllm_sink(engine, factory)
-    where = ", ".join(urls) + (f" (logs in {log_dir})" if servers else " (already running)")
+    where = ", ".join(urls)
+    if launched.server_actors:
+        where += ", each in a Ray actor"
+        launched.rotation = engine  # the engine routes its own requests: the supervisor takes servers out of it
+    else:
+        where += f" (logs in {log_dir})" if servers else " (already running)"
     if disk_root:
         where += f", weights through {disk_root}"
-    return LaunchedEngine(engine, sink, f"vLLM {cfg.dtype} at {where}", [engine.close], servers, factory)
+    launched.engine, launched.weight_sink, launched.sink_factory = engine, sink, factory
+    launched.description = f"vLLM {cfg.dtype} at {where}"
+    launched.closers.append(engine.close)
+    launched.processes.extend(servers)
+    return launched
+
+
+def _start_vllm_actors(
+    cfg: VLLMEngineConfig, model_path: str | Path, log_dir: Path, launched: LaunchedEngine, seed: int
+) -> list[str]:
+    """Start ``cfg.num_servers`` vLLM servers, each owned by a ``ServerActor`` (see ``_own_by_actors``); a
+    restarted one starts paused (``/pause?mode=keep``) until the supervisor has resynced and resumed it.
+    Returns their URLs. Raises: ServerStartError (install command, missing model) before any actor starts."""
+    from miles.rollout.engines.server import ServerStartError
+    from miles.rollout.engines.server_actor import ServerSpec
+    from miles.rollout.engines.vllm import check_vllm_installed, default_vllm_python, vllm_command, vllm_env
+
+    if not (Path(model_path) / "config.json").is_file():
+        raise ServerStartError(
+            f"no model at {model_path} (no config.json there); set models.policy.path to an HF model directory"
+        )
+    python = cfg.python or default_vllm_python()
+    check_vllm_installed(python)
+    env = {**vllm_env(kv_cache_gib=cfg.kv_cache_gib), **_server_env(cfg)}
+    specs = []
+    for i, port in enumerate(_server_ports(cfg)):
+        command = vllm_command(
+            model_path, python=python, host=cfg.host, port=port, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager, seed=seed, extra_args=cfg.extra_args,
+        )  # fmt: skip
+        specs.append(
+            ServerSpec(
+                f"vLLM server {i}",
+                command,
+                port=port,
+                log_path=log_dir / f"vllm_{i}.log",
+                host=cfg.host,
+                env=env,
+                startup_timeout_s=cfg.startup_timeout_s,
+                hold_path="/pause?mode=keep",
+            )
+        )
+    try:
+        return _own_by_actors(specs, cfg, launched)
+    except BaseException:
+        launched.close()
+        raise
 
 
 def moe_routing_shape(model_path: str | Path) -> tuple[int, int]:
@@ -529,9 +610,7 @@ def _start_server_actors(
     into bundle i modulo the bundle count, still asking for 0 CPUs: it shares trainer rank i's bundle, and so its
     node (one node here; across nodes ``engine.host`` must be an address the router and the driver reach).
     """
-    from miles.core.execution import import_ray
-    from miles.rollout.engines.server_actor import ServerSpec, start_server_actors
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from miles.rollout.engines.server_actor import ServerSpec
 
     specs = []
     for i, port in enumerate(_server_ports(cfg)):
@@ -548,7 +627,17 @@ def _start_server_actors(
                 router_url=router_url,
             )
         )
-    log_dir.mkdir(parents=True, exist_ok=True)
+    return _own_by_actors(specs, cfg, launched, colocate_with=colocate_with)
+
+
+def _own_by_actors(specs: list[Any], cfg: Any, launched: LaunchedEngine, *, colocate_with: Any = None) -> list[str]:
+    """Start one ``ServerActor`` per spec (placed as ``_start_server_actors`` says), record them in ``launched``
+    (closers, logs, ``server_actors``, ``health_check``) and return their URLs."""
+    from miles.core.execution import import_ray
+    from miles.rollout.engines.server_actor import start_server_actors
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    Path(specs[0].log_path).parent.mkdir(parents=True, exist_ok=True)
     if colocate_with is None:
         node = NodeAffinitySchedulingStrategy(node_id=import_ray().get_runtime_context().get_node_id(), soft=False)
         strategies = [node] * len(specs)
@@ -602,5 +691,5 @@ def _start_router(cfg: SGLangEngineConfig, urls: list[str], log_dir: Path, launc
     router.start()
     launched.closers.append(router.stop)
     launched.processes.append(router.process)
-    launched.router = router
+    launched.router = launched.rotation = router
     return router.url

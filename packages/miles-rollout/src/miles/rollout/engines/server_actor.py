@@ -87,6 +87,10 @@ class ServerSpec:
         router_url: the sglang-router in front of the server, if any: a restarted incarnation removes its URL
             from it before its server starts, so the router does not route to the new server (which holds the
             weights it loaded, not the run's current ones) before the supervisor has brought it up to date.
+        hold_path: for servers without a router (vLLM: ``/pause?mode=keep``): a POST path a restarted
+            incarnation sends its server as soon as it serves, so that it holds the requests that reach it, rather
+            than answer them from the weights it loaded, until the supervisor has brought it up to date and
+            resumed it (``VLLMEngine.add_worker``). None: nothing is held.
     """
 
     name: str
@@ -98,6 +102,7 @@ class ServerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
     router_url: str | None = None
+    hold_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.port <= 0:
@@ -123,7 +128,8 @@ class ServerActor:
         self.spec = spec
         self._pid_path = Path(f"{spec.log_path}.pid")
         command = list(map(str, spec.command))
-        if self._pid_path.exists():
+        restarted = self._pid_path.exists()
+        if restarted:
             end_previous_server(self._pid_path, command, host=spec.host, port=spec.port)
             if spec.router_url is not None:
                 _leave_router(spec.router_url, spec.url)
@@ -144,6 +150,22 @@ class ServerActor:
         assert self._server.process is not None
         self.pid = self._server.process.pid  # also its process group id (start_new_session)
         self._pid_path.write_text(str(self.pid))
+        if restarted and spec.hold_path is not None:
+            self._hold()
+
+    def _hold(self) -> None:
+        """POST ``spec.hold_path`` to the new server. Raises: ServerStartError (the server stopped) if it fails:
+        a restarted server that cannot hold its requests must not serve them from its initial weights."""
+        try:
+            response = httpx.post(self.spec.url + self.spec.hold_path, timeout=30.0, trust_env=False)
+            error = f"answered {response.status_code}: {response.text[:300]}" if response.status_code >= 400 else ""
+        except httpx.HTTPError as err:
+            error = repr(err)
+        if error:
+            self._server.stop()
+            raise ServerStartError(f"{self.spec.name} at {self.spec.url}: POST {self.spec.hold_path} {error}")
+        logger.info("%s at %s restarted and holds its requests until it is brought up to date", self.spec.name,
+                    self.spec.url)  # fmt: skip
 
     def info(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """``{"url", "pid", "healthy"}``; ends the actor (Ray restarts it) if the server process died."""

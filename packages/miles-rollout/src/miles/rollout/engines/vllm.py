@@ -180,7 +180,16 @@ def check_vllm_installed(python: str = "") -> None:
 class VLLMEngine:
     """An ``Engine`` over one or more vLLM servers, token-in-token-out.
 
-    Requests go round-robin to the servers; pause, resume, flush and weight updates go to every server.
+    Requests go round-robin to the servers in rotation; pause, resume, flush and weight updates go to every server
+    in rotation. A request whose server fails (a timeout or a lost connection) is sent again to the next server in
+    rotation, with the same seed, so it samples what it would have.
+
+    Supervised servers (``supervised``: Ray mode, each owned by a ``ServerActor`` that an ``EngineSupervisor``
+    watches) can leave the rotation: a lost connection takes its server out at once, and so does the supervisor
+    (``remove_worker``, as it does with sglang-router's workers); only the supervisor's ``add_worker`` brings it
+    back, once a restarted server holds the run's current weights, and resumes it (a restarted vLLM server starts
+    paused, ``ServerSpec.hold_path``, so nothing samples from its initial weights). The engine routes requests
+    itself, so it is the supervisor's ``router``.
 
     Args:
         urls: the servers' base URLs (``http://127.0.0.1:PORT``).
@@ -194,6 +203,8 @@ class VLLMEngine:
             ``VLLMWeightSink``): ``weight_version`` is then the lowest version the servers report, read on every
             ``resume`` (a publisher resumes the engines after each push). False: the sink pushing through this
             engine sets it.
+        supervised: an ``EngineSupervisor`` watches the servers and re-adds the ones it brought back (see above);
+            False: every server stays in rotation (a dead one fails over each request sent to it).
         transport: the httpx transport of the generate and control calls (tests: ``httpx.MockTransport``); None =
             the network.
 
@@ -211,6 +222,7 @@ class VLLMEngine:
         max_retries: int = 2,
         servers: Sequence[ServerProcess] = (),
         version_from_servers: bool = False,
+        supervised: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not urls:
@@ -222,8 +234,11 @@ class VLLMEngine:
         self.max_retries = max_retries
         self.servers = list(servers)
         self.version_from_servers = version_from_servers
+        self.supervised = supervised
         self._transport = transport
         self._next_url = itertools.cycle(self.urls)
+        self._out: set[str] = set()  # servers out of rotation (supervised: until the supervisor re-adds them)
+        self._rotation_lock = threading.Lock()  # guards _out and _next_url (the supervisor's thread changes them)
         self._version = 0
         # Per event loop (a client is bound to its loop), keyed weakly by the loop itself: a new loop can reuse a
         # freed loop's id, and the dead loop's client then hangs.
@@ -269,28 +284,98 @@ class VLLMEngine:
             body["stop_token_ids"] = self.stop_token_ids
         return body
 
+    # -- rotation (the supervisor's router interface) -------------------------------------------
+    def in_rotation(self) -> list[str]:
+        """The servers requests and control calls go to now, in ``urls`` order."""
+        with self._rotation_lock:
+            return [url for url in self.urls if url not in self._out]
+
+    def workers(self) -> list[str]:
+        """``in_rotation()`` (the name sglang-router's client has)."""
+        return self.in_rotation()
+
+    def remove_worker(self, url: str) -> None:
+        """Take server ``url`` out of rotation: no request or control call reaches it until ``add_worker``.
+        Raises: ValueError for a URL that is not one of ``urls``."""
+        url = self._known(url)
+        with self._rotation_lock:
+            if url in self._out:
+                return
+            self._out.add(url)
+        logger.warning("vLLM server %s left the rotation", url)
+
+    def add_worker(self, url: str) -> None:
+        """Resume server ``url`` and put it back into rotation (after a restart it holds the run's current
+        weights: the supervisor calls this once ``on_restarted`` has pushed them).
+        Raises: ValueError for a URL that is not one of ``urls``; RuntimeError when it does not resume."""
+        url = self._known(url)
+
+        async def resume() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=30.0, transport=self._transport) as client:
+                return await client.post(url + "/resume")
+
+        response = run_sync(resume())
+        if response.status_code >= 400:
+            raise RuntimeError(f"vLLM at {url}: POST /resume answered {response.status_code}: {response.text[:300]}")
+        with self._rotation_lock:
+            self._out.discard(url)
+        logger.info("vLLM server %s is back in rotation", url)
+
+    def _known(self, url: str) -> str:
+        url = url.rstrip("/")
+        if url not in self.urls:
+            raise ValueError(f"{url} is not one of this engine's vLLM servers {self.urls}")
+        return url
+
+    async def _pick(self, avoid: str | None, deadline: float) -> str:
+        """The next server in rotation, another than ``avoid`` when there is one; waits (until ``deadline``, loop
+        time) while every server is out of rotation. Raises: TimeoutError at the deadline."""
+        while True:
+            with self._rotation_lock:
+                candidates = [url for url in self.urls if url not in self._out]
+                if candidates:
+                    for _ in range(len(self.urls)):
+                        url = next(self._next_url)
+                        if url in candidates and (url != avoid or len(candidates) == 1):
+                            return url
+            if asyncio.get_running_loop().time() >= deadline:
+                raise TimeoutError
+            await asyncio.sleep(0.2)
+
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        """Sample one response on the next server (``Engine.generate``).
+        """Sample one response on the next server in rotation (``Engine.generate``); a failed attempt goes to the
+        next one (a supervised engine takes a server whose connection was lost out of rotation).
 
         Raises: ValueError for an empty prompt; RequestFailed (only this request fails) for a rejected request
-            (HTTP 4xx, with the server's message), a malformed / non-finite response, or a request that timed out
-            or lost its connection ``max_retries`` + 1 times.
+            (HTTP 4xx, with the server's message), a malformed / non-finite response, a request that timed out
+            or lost its connection ``max_retries`` + 1 times, or no server in rotation for ``request_timeout_s``.
         """
         if not request.prompt_tokens:
             raise ValueError("a generate request has an empty prompt; every request needs at least one token")
         body = self.request_body(request)
-        url = next(self._next_url)
-        version = self._version
+        url: str | None = None
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         for attempt in range(self.max_retries + 1):
+            try:
+                url = await self._pick(url, deadline)
+            except TimeoutError:
+                raise RequestFailed(
+                    f"request {request.request_id}: no vLLM server in rotation for {self.request_timeout_s:g}s "
+                    f"(all of {self.urls} out, being restarted)"
+                ) from None
+            version = self._version  # the attempt that answers is the one that generated
             try:
                 response = await self._client().post(url + "/v1/completions", json=body)
                 break
             except (httpx.TimeoutException, httpx.TransportError) as err:
+                if self.supervised and not isinstance(err, httpx.TimeoutException):  # the server is gone
+                    self.remove_worker(url)
                 if attempt == self.max_retries:
                     raise RequestFailed(
                         f"vLLM at {url}: request {request.request_id} failed {attempt + 1} times: {err!r}"
                     ) from None
-                logger.warning("request %s to %s failed (%r); retrying", request.request_id, url, err)
+                logger.warning("request %s to %s failed (%r); sending it again", request.request_id, url, err)
+        assert url is not None
         self.requests_sent[url] += 1
         if response.status_code >= 400:
             raise RequestFailed(f"vLLM at {url} rejected request {request.request_id}: {response.text[:300]}")
@@ -308,10 +393,11 @@ class VLLMEngine:
         return run_sync(self._apost_all(path, timeout_s=timeout_s, **kwargs))
 
     async def _apost_all(self, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[httpx.Response]:
-        """POST to every server at once and return their responses in ``urls`` order (a fresh connection each:
-        control calls are rare and may come from a loop other than the requests'). ``timeout_s`` defaults to
-        ``request_timeout_s``.
+        """POST to every server in rotation at once and return their responses in ``urls`` order (a fresh
+        connection each: control calls are rare and may come from a loop other than the requests'). ``timeout_s``
+        defaults to ``request_timeout_s``.
         Raises: RuntimeError naming the first server that failed or answered an error."""
+        urls = self.in_rotation()
         async with httpx.AsyncClient(timeout=timeout_s or self.request_timeout_s, transport=self._transport) as client:
 
             async def post(url: str) -> httpx.Response | str:
@@ -323,7 +409,7 @@ class VLLMEngine:
                     return f"vLLM at {url}: POST {path} answered {response.status_code}: {response.text[:300]}"
                 return response
 
-            results = await asyncio.gather(*(post(url) for url in self.urls))
+            results = await asyncio.gather(*(post(url) for url in urls))
         errors = [r for r in results if isinstance(r, str)]
         if errors:
             raise RuntimeError(errors[0] + (f" (and {len(errors) - 1} more servers)" if len(errors) > 1 else ""))
@@ -350,7 +436,7 @@ class VLLMEngine:
         await self._apost_all("/reset_prefix_cache")
 
     async def health(self) -> bool:
-        """True when every server answers ``/health`` with 200 (within 10 s)."""
+        """True when every server in rotation answers ``/health`` with 200 (within 10 s)."""
         async with httpx.AsyncClient(timeout=10, transport=self._transport) as client:
 
             async def ok(url: str) -> bool:
@@ -359,7 +445,7 @@ class VLLMEngine:
                 except httpx.HTTPError:
                     return False
 
-            return all(await asyncio.gather(*(ok(url) for url in self.urls)))
+            return all(await asyncio.gather(*(ok(url) for url in self.in_rotation())))
 
     def set_weight_version(self, version: int) -> None:
         """Record ``version`` on every server (``/update_weight_version``) without changing weights."""
@@ -367,8 +453,8 @@ class VLLMEngine:
         self._version = version
 
     def server_versions(self) -> list[str]:
-        """Each server's ``/weight_info`` version (strings, as vLLM keeps them)."""
-        return [httpx.get(url + "/weight_info", timeout=30).json()["weight_version"] for url in self.urls]
+        """Each server's ``/weight_info`` version (strings, as vLLM keeps them), in rotation only."""
+        return [httpx.get(url + "/weight_info", timeout=30).json()["weight_version"] for url in self.in_rotation()]
 
     def checksums(self, url: str) -> dict[str, str]:
         """``/weight_checker`` sha256 digests of one server's parameters, keyed ``dp0:pp0:pcp0:tp0:NAME``."""
@@ -486,7 +572,7 @@ def verify_servers(engine: VLLMEngine, expected: dict[str, str], what: str) -> t
     Raises: WeightUpdateError naming the first server that holds other weights ("... than ``what``").
     """
     verified = unchecked = 0
-    for url in engine.urls:
+    for url in engine.in_rotation():
         ok, skipped, mismatched = compare_digests(engine.checksums(url), expected)
         if mismatched:
             raise WeightUpdateError(
@@ -521,7 +607,8 @@ class VLLMWeightSink:
     update into every server of a ``VLLMEngine`` (the interface of ``miles.sync.WeightSender``, which it uses).
 
     The first push creates the weight group: this process is rank 0, each server's workers follow (its
-    ``/get_world_size``). Every push: ``/start_weight_update`` -> ``/update_weights`` on every server while the
+    ``/get_world_size``); ``close`` leaves it, and a push after a server left or rejoined the engine's rotation
+    forms a new one. Every push: ``/start_weight_update`` -> ``/update_weights`` on every server while the
     sender broadcasts the buckets -> ``/finish_weight_update`` with the version. With ``verify``, the servers'
     ``/weight_checker`` digests are compared with the pushed tensors'.
 
@@ -555,6 +642,8 @@ class VLLMWeightSink:
         self.timeout_s = timeout_s
         self.delta = delta
         self.sender: WeightSender | None = None
+        self._group: Any = None  # the weight group (torch ProcessGroup) and the servers in it
+        self._group_urls: list[str] = []
         self.last_verified: tuple[int, int] = (0, 0)  # (verified, not checkable) tensors of the last push
 
     @property
@@ -568,9 +657,12 @@ class VLLMWeightSink:
 
     def _connect(self) -> None:
         engine = self.engine
-        sizes = [httpx.get(url + "/get_world_size", timeout=30).json()["world_size"] for url in engine.urls]
+        urls = engine.in_rotation()
+        sizes = [httpx.get(url + "/get_world_size", timeout=30).json()["world_size"] for url in urls]
         offsets = list(itertools.accumulate([1] + sizes[:-1]))
         port = free_port()
+        # A name of its own per group: a server that missed the last close still holds the previous group
+        group_name = f"miles_weights_{port}"
         errors: list[str] = []
 
         def init(url: str, offset: int) -> None:
@@ -579,6 +671,7 @@ class VLLMWeightSink:
                 "master_port": port,
                 "world_size": 1 + sum(sizes),
                 "rank_offset": offset,
+                "group_name": group_name,
                 "backend": self.backend,
                 "timeout_s": self.timeout_s,
             }
@@ -589,7 +682,7 @@ class VLLMWeightSink:
             except httpx.HTTPError as err:
                 errors.append(f"{url}: {err!r}")
 
-        threads = [threading.Thread(target=init, args=(u, o)) for u, o in zip(engine.urls, offsets)]
+        threads = [threading.Thread(target=init, args=(u, o)) for u, o in zip(urls, offsets)]
         for thread in threads:
             thread.start()
         group = init_weight_group(
@@ -598,7 +691,7 @@ class VLLMWeightSink:
             master_port=port,
             world_size=1 + sum(sizes),
             rank=0,
-            group_name="miles_weights",
+            group_name=group_name,
             timeout_s=self.timeout_s,
         )
         for thread in threads:
@@ -607,7 +700,25 @@ class VLLMWeightSink:
             raise WeightUpdateError("vLLM weight transfer init failed: " + "; ".join(errors))
         self.sender = WeightSender(DistributedTransport(group, src=0), bucket_bytes=self.bucket_bytes, delta=self.delta)
         self.sender.version = engine.weight_version
+        self._group, self._group_urls = group, urls
         logger.info("weight group up: trainer + %d vLLM workers on %d servers", sum(sizes), len(sizes))
+
+    def close(self) -> None:
+        """Leave the weight group, here and on every server that answers (best effort: one that died left it);
+        the next ``push`` forms a new one with the servers in rotation then. Idempotent."""
+        import torch.distributed as dist
+
+        if self._group is None:
+            return
+        for url in self._group_urls:
+            try:
+                response = httpx.post(url + "/shutdown_weight_transfer_engine", timeout=30.0)
+                if response.status_code >= 400:
+                    logger.debug("vLLM at %s kept its weight group: %s", url, response.text[:200])
+            except httpx.HTTPError as err:
+                logger.debug("vLLM at %s could not leave its weight group: %r", url, err)
+        dist.destroy_process_group(self._group)
+        self._group, self._group_urls, self.sender = None, [], None
 
     def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int | None = None) -> int:
         """Send one complete update to every server and return its version.
@@ -616,6 +727,8 @@ class VLLMWeightSink:
             checksums disagree (the engine version stays).
         """
         started = time.perf_counter()
+        if self.sender is not None and self._group_urls != self.engine.in_rotation():
+            self.close()  # a server left or rejoined the rotation: a new group with the servers in it now
         if self.sender is None:
             self._connect()
         digests = StreamingDigests(self.dtype)

@@ -115,3 +115,6 @@ class VLLMDiskWeightSink:
             time.perf_counter() - start,
         )  # fmt: skip
         return version
+
+    def close(self) -> None:
+        """Nothing to leave: every push is a file handoff (the versions on disk stay)."""
