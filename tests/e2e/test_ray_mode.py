@@ -463,6 +463,31 @@ def test_fully_async_on_ray_with_partial_rollouts_keeps_the_bound_and_trains_eac
     assert drawn - len(untrained) == 6 and state["weight_version"] == 3
 
 
+def test_one_step_off_on_ray_trains_each_step_on_the_previous_versions_samples_and_each_prompt_once(
+    cluster, tiny_smollm2_dir, workdir
+):
+    """loop.mode one_step_off in Ray mode (joining the module's cluster): step k+1's rollout is generated through the
+    router on step k's weights while the 2 ranks train step k, and it is drained before the push."""
+    ray, address = cluster
+    run_dir = workdir / "one_step_off"
+    args = [
+        *_overrides(tiny_smollm2_dir, workdir, "one_step_off"), "--execution.ray.address", address,
+        "--loop.mode", "one_step_off", "--loop.num-steps", "3", "--loop.save-interval", "0",
+    ]  # fmt: skip
+    rc, stderr = Run(args, workdir).finish(min_children=1)
+    assert rc == 0, stderr[-4000:]
+    _assert_cluster_released(ray, _trainer_pids(run_dir))
+    _assert_ports_free(_server_urls(run_dir))
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["weight_version"] for r in rows] == [1.0, 2.0, 3.0]
+    # Step 1 trains the rollout of the initial weights; every later step's samples are exactly one version old.
+    assert [(r["staleness/mean"], r["staleness/max"]) for r in rows] == [(0.0, 0.0), (1.0, 1.0), (1.0, 1.0)]
+    assert all(r["samples/failed"] == 0.0 and r["time/drain"] >= 0.0 for r in rows), rows
+    state = json.loads((run_dir / "checkpoints" / "step_3" / "run_state.json").read_text())
+    drawn, untrained = state["data_source"]["source"]["num_prompts"], state["data_source"]["untrained"]
+    assert drawn - len(untrained) == 6 and state["weight_version"] == 3
+
+
 def test_colocated_engines_free_their_memory_for_training_and_the_run_matches_the_disaggregated_one(
     cluster, straight, tiny_smollm2_dir, workdir
 ):
