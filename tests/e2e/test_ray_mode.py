@@ -8,11 +8,12 @@ restarted by Ray, brought to the current weights and re-added to the router, and
 happened.
 
 A run here takes ~2 min, nearly all process start-up on 2 cores (Ray ~30 s, two servers ~40 s, the router ~3 s,
-two trainer ranks ~30-45 s; 2 steps ~5 s), so the module holds six runs: straight (its own cluster), killed,
+two trainer ranks ~30-45 s; 2 steps ~5 s), so the module holds these runs: straight (its own cluster), killed,
 resumed, the trainer restart (~2.5 min, ~1 min more than a run: the second trainer's start), the server kill,
-fully_async with partial rollouts and the colocated run (the last three joining one cluster the test starts,
-`execution.ray.address`, which saves Ray's start each time). The module: ~9.7 min in CI's slow step before the
-fully_async and colocated runs (~2 min more each; 5 min while a CI run shared the cores).
+fully_async with partial rollouts, one_step_off and the colocated run (the runs after the first three join one
+cluster the test starts, `execution.ray.address`, which saves Ray's start each time). The module: ~9.7 min in CI's
+slow step before the fully_async, one_step_off and colocated runs (~2 min more each; 5 min while a CI run shared
+the cores).
 """
 
 import concurrent.futures
@@ -308,11 +309,6 @@ def test_a_trainer_the_cluster_cannot_place_is_one_line_before_any_server_starts
     _assert_cluster_released(ray, [])
 
 
-@pytest.mark.skip(
-    reason="flaky: in 1 of 3 runs the restarted rank 1 aborted with glibc 'double free or corruption (fasttop)' while "
-    "saving step 2 (a native crash not yet understood); passed the other 2 runs. The restart's bookkeeping stays "
-    "tested with fakes in tests/recipes/test_ray_execution.py"
-)
 def test_with_a_trainer_restart_a_killed_rank_restarts_the_trainer_from_the_checkpoint_and_matches_the_straight_run(
     straight, cluster, tiny_smollm2_dir, workdir
 ):
@@ -463,21 +459,26 @@ def test_fully_async_on_ray_with_partial_rollouts_keeps_the_bound_and_trains_eac
     assert drawn - len(untrained) == 6 and state["weight_version"] == 3
 
 
-def test_one_step_off_on_ray_trains_each_step_on_the_previous_versions_samples_and_each_prompt_once(
-    cluster, tiny_smollm2_dir, workdir
+def test_one_step_off_on_ray_with_engine_bundles_trains_on_the_previous_versions_samples_and_each_prompt_once(
+    tiny_smollm2_dir, workdir
 ):
-    """loop.mode one_step_off in Ray mode (joining the module's cluster): step k+1's rollout is generated through the
-    router on step k's weights while the 2 ranks train step k, and it is drained before the push."""
-    ray, address = cluster
+    """loop.mode one_step_off in Ray mode: step k+1's rollout is generated through the router on step k's weights
+    while the 2 ranks train step k, and it is drained before the push. The servers run in engine bundles of their
+    own (execution.ray.engine_cpus_per_server 1, beside the trainer's 2 bundles, on a local cluster of 4 CPUs the
+    run starts and stops)."""
     run_dir = workdir / "one_step_off"
     args = [
-        *_overrides(tiny_smollm2_dir, workdir, "one_step_off"), "--execution.ray.address", address,
+        *_overrides(tiny_smollm2_dir, workdir, "one_step_off"), "--execution.ray.num-cpus", "4",
+        "--execution.ray.engine-cpus-per-server", "1",
         "--loop.mode", "one_step_off", "--loop.num-steps", "3", "--loop.save-interval", "0",
     ]  # fmt: skip
-    rc, stderr = Run(args, workdir).finish(min_children=1)
+    rc, stderr = Run(args, workdir).finish()
     assert rc == 0, stderr[-4000:]
-    _assert_cluster_released(ray, _trainer_pids(run_dir))
     _assert_ports_free(_server_urls(run_dir))
+    log = (run_dir / "train.log").read_text()
+    urls = ", ".join(_server_urls(run_dir))
+    assert f"engine bundles: engine server(s) {urls} in bundle(s) 0, 1 of the engines' placement group" in log, log
+    assert "each in a Ray actor in an engine bundle of its own" in log
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["weight_version"] for r in rows] == [1.0, 2.0, 3.0]
     # Step 1 trains the rollout of the initial weights; every later step's samples are exactly one version old.

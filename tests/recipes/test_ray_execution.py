@@ -107,6 +107,33 @@ def _error(overrides: list[str]) -> str:
             "servers it starts in the trainer's bundles. Drop --engine.urls, or --execution.ray.colocate false.",
             id="colocate_with_running_servers",
         ),
+        pytest.param(
+            [*RAY, "--execution.ray.colocate", "true", "--execution.ray.engine-cpus-per-server", "1"],
+            "execution.ray.engine_cpus_per_server is 1 but execution.ray.colocate is true, which puts the servers in "
+            "the trainer's bundles instead. Drop --execution.ray.engine-cpus-per-server, or --execution.ray.colocate.",
+            id="engine_bundles_and_colocation",
+        ),
+        pytest.param(
+            [*RAY, "--execution.ray.engine-gpus-per-server", "1", "--engine.urls", "[http://127.0.0.1:30000]"],
+            "execution.ray.engine_gpus_per_server is 1 but engine.urls names servers already running: engine bundles "
+            "hold the servers Miles starts. Drop --execution.ray.engine-gpus-per-server, or --engine.urls.",
+            id="engine_bundles_for_running_servers",
+        ),
+        pytest.param(
+            [*RAY, "--train.world-size", "2", "--execution.ray.num-cpus", "3", "--engine.num-servers", "2",
+             "--execution.ray.engine-cpus-per-server", "1"],
+            "execution.ray.num_cpus is 3, but the trainer's bundles (2 CPUs) and the engine bundles (engine.num_servers "
+            "x execution.ray.engine_cpus_per_server = 2 x 1 = 2 CPUs) need 4, so they could never all be placed. Set "
+            "--execution.ray.num-cpus 4 (or more; logical CPUs may exceed the cores), or lower "
+            "--execution.ray.engine-cpus-per-server.",
+            id="engine_and_trainer_bundles_larger_than_the_cluster",
+        ),  # fmt: skip
+        pytest.param(
+            ["--execution.ray.engine-cpus-per-server", "1"],
+            "execution.ray.engine_cpus_per_server is 1.0 but execution.mode is 'local', and it applies to Ray "
+            "execution only. Set --execution.mode ray, or drop --execution.ray.engine-cpus-per-server.",
+            id="engine_bundles_in_local_mode",
+        ),
     ],
 )
 def test_what_ray_mode_cannot_run_is_refused_with_one_line_naming_the_keys_and_the_fix(overrides, expected):
@@ -123,6 +150,18 @@ def test_ray_mode_with_a_server_engine_and_two_ranks_validates_and_round_trips_t
     assert (cfg.execution.mode, cfg.train.world_size, ray.num_cpus, ray.placement_strategy) == ("ray", 2, 4, "SPREAD")
     assert (ray.address, ray.namespace, ray.log_to_driver, ray.trainer_cpus_per_rank) == (None, None, True, 0.5)
     assert MilesConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))) == cfg
+
+
+def test_engine_bundles_are_off_by_default_and_hold_the_cpus_and_gpus_asked_for():
+    ray = resolve_config("smollm2_grpo_arithmetic", RAY).execution.ray
+    assert (ray.engine_cpus_per_server, ray.engine_gpus_per_server, ray.engine_bundle) == (0.0, 0.0, {})
+    ray = resolve_config(
+        "smollm2_grpo_arithmetic", [*RAY, "--execution.ray.engine-cpus-per-server", "2",
+                                    "--execution.ray.engine-gpus-per-server", "1"],
+    ).execution.ray  # fmt: skip
+    assert ray.engine_bundle == {"CPU": 2.0, "GPU": 1.0}
+    gpus_only = resolve_config("smollm2_grpo_arithmetic", [*RAY, "--execution.ray.engine-gpus-per-server", "1"])
+    assert gpus_only.execution.ray.engine_bundle == {"GPU": 1.0}
 
 
 def test_trainer_restarts_default_to_stopping_and_need_no_checkpoints():

@@ -87,6 +87,7 @@ def _nested(flat: dict) -> dict:
     tree["eval"] = {**flat["eval"], "path": "", "pass_k": [1], "pass_threshold": 1.0, "sets": []}
     ray = {"address": None, "num_cpus": None, "log_to_driver": True, "namespace": None}
     ray |= {"trainer_cpus_per_rank": 1.0, "placement_strategy": "PACK", "colocate": False, "max_trainer_restarts": 0}
+    ray |= {"engine_cpus_per_server": 0.0, "engine_gpus_per_server": 0.0}  # engine bundles: added later, off
     tree["execution"] = {"mode": "local", "ray": ray}  # execution.ray: added after the flat layout, at its defaults
     async_defaults = {
         "max_weight_staleness": None, "partial_rollout": False, "stale_groups": "regenerate",

@@ -448,6 +448,21 @@ class RayConfig(_Section):
         "false (the default): disaggregated, the engines beside the trainer's bundles. Needs loop.mode sync and "
         "servers Miles starts (engine.type sglang, no engine.urls).",
     )
+    engine_cpus_per_server: float = Field(
+        0.0,
+        ge=0.0,
+        description="Engine bundles (disaggregated placement): > 0 gives each engine server Miles starts a "
+        "placement-group bundle of its own with this many CPUs (one placement group of engine.num_servers bundles, "
+        "placed by placement_strategy), its Ray actor and so its server inside it, beside the trainer's bundles. "
+        "0 (the default): the servers' actors take no bundle (0 CPUs, on this node), and the trainer's bundles may "
+        "hold every CPU. Needs servers Miles starts (no engine.urls) and colocate false.",
+    )
+    engine_gpus_per_server: float = Field(
+        0.0,
+        ge=0.0,
+        description="GPUs of each engine bundle (see engine_cpus_per_server; either > 0 turns the engine bundles "
+        "on): Ray gives the server's actor those GPUs (CUDA_VISIBLE_DEVICES), and the server it starts inherits them.",
+    )
     max_trainer_restarts: int = Field(
         0,
         ge=0,
@@ -459,6 +474,13 @@ class RayConfig(_Section):
         "run with one line naming the checkpoint to --resume from. A restart costs the trainer's start-up plus "
         "the redone steps: keep loop.save_interval small when restarts are on.",
     )
+
+
+    @property
+    def engine_bundle(self) -> dict[str, float]:
+        """The resources of each engine server's bundle ({} = the servers take no bundle)."""
+        bundle = {"CPU": self.engine_cpus_per_server, "GPU": self.engine_gpus_per_server}
+        return {key: value for key, value in bundle.items() if value > 0}
 
 
 class ExecutionConfig(_Section):

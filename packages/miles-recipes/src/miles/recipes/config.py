@@ -178,6 +178,8 @@ class MilesConfig(BaseModel):
             )
         if execution.ray.colocate:
             self._check_colocation()
+        if execution.ray.engine_bundle:
+            self._check_engine_bundles()
         ray, cpus = execution.ray, world_size * execution.ray.trainer_cpus_per_rank
         if ray.num_cpus is not None and cpus > ray.num_cpus:
             raise ValueError(
@@ -185,6 +187,31 @@ class MilesConfig(BaseModel):
                 f"execution.ray.trainer_cpus_per_rank = {world_size} x {ray.trainer_cpus_per_rank:g} = {cpus:g} CPUs, "
                 f"so they could never be placed. Set --execution.ray.num-cpus {cpus:g} (or more; logical CPUs may "
                 "exceed the cores), or lower --execution.ray.trainer-cpus-per-rank."
+            )
+        engine_cpus = self.engine.num_servers * ray.engine_cpus_per_server
+        if ray.num_cpus is not None and cpus + engine_cpus > ray.num_cpus:
+            raise ValueError(
+                f"execution.ray.num_cpus is {ray.num_cpus}, but the trainer's bundles ({cpus:g} CPUs) and the engine "
+                f"bundles (engine.num_servers x execution.ray.engine_cpus_per_server = {self.engine.num_servers} x "
+                f"{ray.engine_cpus_per_server:g} = {engine_cpus:g} CPUs) need {cpus + engine_cpus:g}, so they could "
+                f"never all be placed. Set --execution.ray.num-cpus {cpus + engine_cpus:g} (or more; logical CPUs may "
+                "exceed the cores), or lower --execution.ray.engine-cpus-per-server."
+            )
+
+    def _check_engine_bundles(self) -> None:
+        """Engine bundles hold the servers Miles starts, beside (not inside) the trainer's bundles."""
+        ray = self.execution.ray
+        key = "engine_cpus_per_server" if ray.engine_cpus_per_server > 0 else "engine_gpus_per_server"
+        value = getattr(ray, key)
+        if ray.colocate:
+            raise ValueError(
+                f"execution.ray.{key} is {value:g} but execution.ray.colocate is true, which puts the servers in the "
+                f"trainer's bundles instead. Drop --execution.ray.{key.replace('_', '-')}, or --execution.ray.colocate."
+            )
+        if self.engine.urls:
+            raise ValueError(
+                f"execution.ray.{key} is {value:g} but engine.urls names servers already running: engine bundles "
+                f"hold the servers Miles starts. Drop --execution.ray.{key.replace('_', '-')}, or --engine.urls."
             )
 
     def _check_colocation(self) -> None:

@@ -291,8 +291,9 @@ def ray_trainer_placement(cfg: MilesConfig) -> Iterator[Any]:
     """The Ray session ``execution.ray`` describes (dashboard off; shut down at exit if it started the cluster)
     holding a placement group of one bundle per trainer rank (``train.world_size``), removed at exit.
 
-    The engine servers' Ray actors take no bundle here: they ask for 0 CPUs on this node
-    (``miles.rollout.engines.launch._start_server_actors`` says why), so the bundles are the trainer's alone.
+    The bundles are the trainer's alone: the engine servers' Ray actors ask for 0 CPUs on this node
+    (``miles.rollout.engines.launch._start_server_actors`` says why), share these bundles (``colocate``), or get
+    bundles of their own (``ray_engine_placement``).
 
     Raises: RunSetupError (one line, the keys to change) when the cluster cannot be reached or cannot place the
         bundles; ImportError naming the install command without Ray.
@@ -327,6 +328,37 @@ def ray_trainer_placement(cfg: MilesConfig) -> Iterator[Any]:
                 f"{' '.join(str(err).split())}. Set --execution.ray.num-cpus {cpus:g} or more (a local cluster; "
                 "logical CPUs may exceed the cores), or lower --train.world-size or "
                 "--execution.ray.trainer-cpus-per-rank."
+            ) from err
+        yield group
+
+
+@contextmanager
+def ray_engine_placement(cfg: MilesConfig) -> Iterator[Any]:
+    """The engine bundles of execution.mode ray (``execution.ray.engine_cpus_per_server`` /
+    ``engine_gpus_per_server``): a placement group of one bundle per engine server Miles starts, placed by
+    ``execution.ray.placement_strategy`` and removed at exit; None when those are 0 (the servers take no bundle).
+    Enter it inside ``ray_trainer_placement``'s session.
+
+    Raises: RunSetupError (one line, the keys to change) when the cluster cannot place the bundles.
+    """
+    from miles.core.execution import placement_group_for
+
+    ray_cfg, num_servers = cfg.execution.ray, cfg.engine.num_servers
+    bundle = ray_cfg.engine_bundle
+    if not bundle or cfg.engine.urls:
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            group = stack.enter_context(
+                placement_group_for([bundle] * num_servers, strategy=ray_cfg.placement_strategy)
+            )
+        except (ValueError, TimeoutError) as err:
+            raise RunSetupError(
+                f"engine.num_servers = {num_servers} engine bundles of {bundle} (execution.ray.engine_cpus_per_server"
+                " / engine_gpus_per_server) cannot be placed on this Ray cluster beside the trainer's: "
+                f"{' '.join(str(err).split())}. Set --execution.ray.num-cpus to the trainer's and the engines' CPUs "
+                "together (a local cluster; logical CPUs may exceed the cores), or lower the engine bundles."
             ) from err
         yield group
 
@@ -667,8 +699,10 @@ def run(
         t0 = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         ray_mode = cfg.execution.mode == "ray"
+        engine_placement = None
         if ray_mode:  # first: a cluster that cannot start or place the trainer fails before any server starts
             trainer_placement = stack.enter_context(ray_trainer_placement(cfg))
+            engine_placement = stack.enter_context(ray_engine_placement(cfg))
         # Server logs start beside the run directory (not written before the build succeeds), then move into it.
         launched = launch_engine(
             cfg.engine,
@@ -678,6 +712,7 @@ def run(
             remote_sink=ray_mode,
             server_actors=ray_mode,  # Ray owns and restarts the servers; the supervisor below watches them
             colocate_with=trainer_placement if ray_mode and cfg.execution.ray.colocate else None,
+            engine_placement=engine_placement,
             weight_dir=run_dir.parent / f".{run_dir.name}.weights",  # engine.weight_transfer disk, removed at the end
         )
         stack.callback(launched.close)

@@ -245,6 +245,7 @@ def launch_engine(
     remote_sink: bool = False,
     server_actors: bool = False,
     colocate_with: Any = None,
+    engine_placement: Any = None,
     weight_dir: str | Path | None = None,
 ) -> LaunchedEngine:
     """Start the engine ``cfg`` (the ``engine`` config section) describes, for the model at ``model_path``.
@@ -260,6 +261,9 @@ def launch_engine(
         colocate_with: with ``server_actors``, the trainer's Ray placement group (``execution.ray.colocate``):
             server i's actor runs in its bundle i modulo the bundle count, beside trainer rank i. None: on this
             (the driver's) node, outside any bundle.
+        engine_placement: with ``server_actors``, a placement group of one bundle per server
+            (``execution.ray.engine_cpus_per_server`` / ``engine_gpus_per_server``): server i's actor runs in bundle
+            i and asks for its resources (disaggregated engine bundles). None: as ``colocate_with`` None.
         weight_dir: ``engine.weight_transfer`` disk without ``engine.weight_dir``: the directory the versions go
             to, removed by ``close``.
     Raises: ServerStartError (one message with the server's log tail and the fix) when a server does not start;
@@ -271,7 +275,7 @@ def launch_engine(
     if isinstance(cfg, VLLMEngineConfig):
         launched = _vllm(
             cfg, model_path, Path(log_dir), seed, remote_sink=remote_sink, disk_root=disk_root,
-            server_actors=server_actors,
+            server_actors=server_actors, engine_placement=engine_placement,
         )  # fmt: skip
     elif isinstance(cfg, SGLangEngineConfig):
         launched = _sglang(
@@ -281,6 +285,7 @@ def launch_engine(
             seed,
             server_actors=server_actors,
             colocate_with=colocate_with,
+            engine_placement=engine_placement,
             disk_root=disk_root,
         )
     else:
@@ -325,6 +330,7 @@ def _vllm(
     remote_sink: bool,
     disk_root: str,
     server_actors: bool = False,
+    engine_placement: Any = None,
 ) -> LaunchedEngine:
     from miles.rollout.engines.vllm import VLLMEngine, launch_vllm_servers
 
@@ -332,7 +338,7 @@ def _vllm(
     urls = list(cfg.urls)
     launched = LaunchedEngine(None, None, "")
     if server_actors and not urls:
-        urls = _start_vllm_actors(cfg, model_path, log_dir, launched, seed)
+        urls = _start_vllm_actors(cfg, model_path, log_dir, launched, seed, engine_placement=engine_placement)
     elif not urls:
         servers = launch_vllm_servers(
             model_path,
@@ -379,7 +385,7 @@ def _vllm(
     sink = _vllm_sink(engine, factory)
     where = ", ".join(urls)
     if launched.server_actors:
-        where += ", each in a Ray actor"
+        where += ", each in a Ray actor" + (" in an engine bundle of its own" if engine_placement is not None else "")
         launched.rotation = engine  # the engine routes its own requests: the supervisor takes servers out of it
     else:
         where += f" (logs in {log_dir})" if servers else " (already running)"
@@ -393,7 +399,13 @@ def _vllm(
 
 
 def _start_vllm_actors(
-    cfg: VLLMEngineConfig, model_path: str | Path, log_dir: Path, launched: LaunchedEngine, seed: int
+    cfg: VLLMEngineConfig,
+    model_path: str | Path,
+    log_dir: Path,
+    launched: LaunchedEngine,
+    seed: int,
+    *,
+    engine_placement: Any = None,
 ) -> list[str]:
     """Start ``cfg.num_servers`` vLLM servers, each owned by a ``ServerActor`` (see ``_own_by_actors``); a
     restarted one starts paused (``/pause?mode=keep``) until the supervisor has resynced and resumed it.
@@ -428,7 +440,7 @@ def _start_vllm_actors(
             )
         )
     try:
-        return _own_by_actors(specs, cfg, launched)
+        return _own_by_actors(specs, cfg, launched, engine_placement=engine_placement)
     except BaseException:
         launched.close()
         raise
@@ -467,6 +479,7 @@ def _sglang(
     *,
     server_actors: bool,
     colocate_with: Any = None,
+    engine_placement: Any = None,
     disk_root: str,
 ) -> LaunchedEngine:
     from miles.rollout.engines.server import ServerStartError
@@ -484,8 +497,9 @@ def _sglang(
             if cfg.router:  # first: a restarted server actor leaves it before its new server answers
                 router_url = _start_router(cfg, [], log_dir, launched)
             urls = _start_server_actors(
-                cfg, model_path, log_dir, launched, router_url=router_url, colocate_with=colocate_with
-            )
+                cfg, model_path, log_dir, launched, router_url=router_url, colocate_with=colocate_with,
+                engine_placement=engine_placement,
+            )  # fmt: skip
             if launched.router is not None:
                 for url in urls:
                     launched.router.add_worker(url)
@@ -517,6 +531,8 @@ def _sglang(
     owner = ", each in a Ray actor" if launched.server_actors else ""
     if colocate_with is not None and launched.server_actors:
         owner += " in a trainer rank's bundle (colocated)"
+    elif engine_placement is not None and launched.server_actors:
+        owner += " in an engine bundle of its own"
     launched.sink_factory = SGLangSinkFactory(
         tuple(engine.worker_urls), disk_root=disk_root, config_from=str(model_path) if disk_root else ""
     )
@@ -594,6 +610,7 @@ def _start_server_actors(
     *,
     router_url: str | None,
     colocate_with: Any = None,
+    engine_placement: Any = None,
 ) -> list[str]:
     """Start ``cfg.num_servers`` servers, each owned by a ``ServerActor`` at a fixed port (Ray restarts it);
     returns their URLs. Needs the Ray session.
@@ -604,11 +621,12 @@ def _start_server_actors(
     placement group (on a 2-core machine the trainer's bundles hold every logical CPU) and need no
     ``execution.ray.num_cpus`` of their own. The node is the driver's because the servers bind ``engine.host``
     (127.0.0.1 by default) and load ``models.policy.path`` from this node's disk, as the router reaches them.
-    Engine bundles of their own (a GPU per server) are not built yet.
 
     With ``colocate_with`` (the trainer's placement group, ``execution.ray.colocate``) server i's actor is scheduled
     into bundle i modulo the bundle count, still asking for 0 CPUs: it shares trainer rank i's bundle, and so its
     node (one node here; across nodes ``engine.host`` must be an address the router and the driver reach).
+    With ``engine_placement`` (``execution.ray.engine_cpus_per_server`` / ``engine_gpus_per_server``) server i's
+    actor runs in that group's bundle i and asks for its CPUs and GPUs: engines on resources of their own.
     """
     from miles.rollout.engines.server_actor import ServerSpec
 
@@ -627,45 +645,62 @@ def _start_server_actors(
                 router_url=router_url,
             )
         )
-    return _own_by_actors(specs, cfg, launched, colocate_with=colocate_with)
+    return _own_by_actors(specs, cfg, launched, colocate_with=colocate_with, engine_placement=engine_placement)
 
 
-def _own_by_actors(specs: list[Any], cfg: Any, launched: LaunchedEngine, *, colocate_with: Any = None) -> list[str]:
-    """Start one ``ServerActor`` per spec (placed as ``_start_server_actors`` says), record them in ``launched``
-    (closers, logs, ``server_actors``, ``health_check``) and return their URLs."""
+def _own_by_actors(
+    specs: list[Any], cfg: Any, launched: LaunchedEngine, *, colocate_with: Any = None, engine_placement: Any = None
+) -> list[str]:
+    """Start one ``ServerActor`` per spec, record them in ``launched`` (closers, logs, ``server_actors``,
+    ``health_check``) and return their URLs.
+
+    Placement (``_start_server_actors`` says why): by default each actor asks for 0 CPUs on this node;
+    ``colocate_with`` (the trainer's placement group): actor i in its bundle i modulo the bundle count, still 0 CPUs;
+    ``engine_placement`` (one bundle per server): actor i in bundle i, asking for that bundle's CPUs and GPUs (the
+    server inherits the GPUs Ray gives the actor). Either group is checked after the start.
+    Raises: RuntimeError when Ray ran an actor outside its group; what ``start_server_actors`` raises.
+    """
     from miles.core.execution import import_ray
     from miles.rollout.engines.server_actor import start_server_actors
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
     Path(specs[0].log_path).parent.mkdir(parents=True, exist_ok=True)
-    if colocate_with is None:
+    group = colocate_with if colocate_with is not None else engine_placement
+    if group is None:
         node = NodeAffinitySchedulingStrategy(node_id=import_ray().get_runtime_context().get_node_id(), soft=False)
-        strategies = [node] * len(specs)
+        options = [{"num_cpus": 0, "scheduling_strategy": node} for _ in specs]
+        indices: list[int] = []
     else:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        bundles = len(colocate_with.bundle_specs)
-        strategies = [
-            PlacementGroupSchedulingStrategy(colocate_with, placement_group_bundle_index=i % bundles)
-            for i in range(len(specs))
+        bundles = group.bundle_specs
+        if colocate_with is None and len(bundles) != len(specs):
+            raise ValueError(f"engine_placement has {len(bundles)} bundles for {len(specs)} servers; give one each")
+        indices = [i % len(bundles) for i in range(len(specs))]
+        options = [
+            {
+                "num_cpus": 0 if colocate_with is not None else bundles[i].get("CPU", 0),
+                "num_gpus": 0 if colocate_with is not None else bundles[i].get("GPU", 0),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+            }
+            for i in indices
         ]
-    handles = start_server_actors(
-        specs, actor_options=[{"num_cpus": 0, "scheduling_strategy": strategy} for strategy in strategies]
-    )
+    handles = start_server_actors(specs, actor_options=options)
     for handle in handles:
         launched.closers.append(handle.stop)
         launched.actor_logs.append(Path(handle.spec.log_path))
     launched.server_actors, launched.health_check = handles, cfg.health_check
-    if colocate_with is not None:  # Ray placed them as asked, or says why not here
+    if group is not None:  # Ray placed them as asked, or says why not here
         ray = import_ray()
         groups = ray.get([handle.actor.__ray_call__.remote(_placement_group_of) for handle in handles])
-        wrong = [h.url for h, group in zip(handles, groups) if group != colocate_with.id.hex()]
+        whose = "the trainer's placement group" if colocate_with is not None else "the engines' placement group"
+        wrong = [h.url for h, got in zip(handles, groups) if got != group.id.hex()]
         if wrong:
-            raise RuntimeError(f"colocated engine servers {wrong} run outside the trainer's placement group")
+            raise RuntimeError(f"engine servers {wrong} run outside {whose}")
         logger.info(
-            "colocated: engine server(s) %s in bundle(s) %s of the trainer's placement group",
+            "%s: engine server(s) %s in bundle(s) %s of %s",
+            "colocated" if colocate_with is not None else "engine bundles",
             ", ".join(h.url for h in handles),
-            ", ".join(str(i % len(colocate_with.bundle_specs)) for i in range(len(handles))),
+            ", ".join(map(str, indices)),
+            whose,
         )
     return [handle.url for handle in handles]
 
