@@ -307,6 +307,18 @@ def test_a_trainer_the_cluster_cannot_place_is_one_line_before_any_server_starts
     assert last.endswith("or lower --train.world-size or --execution.ray.trainer-cpus-per-rank."), last
     assert "starting miles serve" not in stderr and not (workdir / "too_big").exists()
     _assert_cluster_released(ray, [])
+    # Engine bundles that cannot fit beside the trainer's: one line at once, not after the placement's wait.
+    args = [*_overrides(tiny_smollm2_dir, workdir, "too_big"), "--execution.ray.engine-cpus-per-server", "1"]
+    started = time.monotonic()
+    rc, stderr = Run([*args, "--execution.ray.address", address], workdir).finish(min_children=0)
+    assert rc == 2 and time.monotonic() - started < 50.0, stderr[-3000:]  # the placement would wait 60 s
+    assert stderr.strip().splitlines()[-1] == (
+        "miles: the trainer's bundles (2 CPUs) and engine.num_servers x execution.ray.engine_cpus_per_server = 2 x 1 "
+        "CPUs need 4 CPUs, but this Ray cluster has 2. Join a cluster with 4 CPUs or more, or lower "
+        "--execution.ray.engine-cpus-per-server."
+    ), stderr[-3000:]
+    assert "starting miles serve" not in stderr and not (workdir / "too_big").exists()
+    _assert_cluster_released(ray, [])
 
 
 def test_with_a_trainer_restart_a_killed_rank_restarts_the_trainer_from_the_checkpoint_and_matches_the_straight_run(

@@ -341,13 +341,30 @@ def ray_engine_placement(cfg: MilesConfig) -> Iterator[Any]:
 
     Raises: RunSetupError (one line, the keys to change) when the cluster cannot place the bundles.
     """
-    from miles.core.execution import placement_group_for
+    from miles.core.execution import import_ray, placement_group_for
 
     ray_cfg, num_servers = cfg.execution.ray, cfg.engine.num_servers
     bundle = ray_cfg.engine_bundle
     if not bundle or cfg.engine.urls:
         yield None
         return
+    trainer_cpus = cfg.train.world_size * ray_cfg.trainer_cpus_per_rank
+    engine_cpus = num_servers * ray_cfg.engine_cpus_per_server
+    needed, total = trainer_cpus + engine_cpus, import_ray().cluster_resources().get("CPU", 0.0)
+    what = (
+        f"the trainer's bundles ({trainer_cpus:g} CPUs) and engine.num_servers x "
+        f"execution.ray.engine_cpus_per_server = {num_servers} x {ray_cfg.engine_cpus_per_server:g} CPUs need "
+        f"{needed:g} CPUs"
+    )
+    if ray_cfg.address is None:
+        fix = f"Set --execution.ray.num-cpus {needed:g} or more (logical CPUs may exceed the cores)"
+    else:
+        fix = f"Join a cluster with {needed:g} CPUs or more"
+    fix += ", or lower --execution.ray.engine-cpus-per-server"
+    if needed > total:  # fail now: the placement would wait for resources that never come
+        cores = ray_cfg.num_cpus is None and ray_cfg.address is None
+        default = " (execution.ray.num_cpus unset: the cores)" if cores else ""
+        raise RunSetupError(f"{what}, but this Ray cluster has {total:g}{default}. {fix}.")
     with contextlib.ExitStack() as stack:
         try:
             group = stack.enter_context(
@@ -355,10 +372,8 @@ def ray_engine_placement(cfg: MilesConfig) -> Iterator[Any]:
             )
         except (ValueError, TimeoutError) as err:
             raise RunSetupError(
-                f"engine.num_servers = {num_servers} engine bundles of {bundle} (execution.ray.engine_cpus_per_server"
-                " / engine_gpus_per_server) cannot be placed on this Ray cluster beside the trainer's: "
-                f"{' '.join(str(err).split())}. Set --execution.ray.num-cpus to the trainer's and the engines' CPUs "
-                "together (a local cluster; logical CPUs may exceed the cores), or lower the engine bundles."
+                f"the engine bundles ({num_servers} x {bundle}) could not be placed beside the trainer's: {what}; "
+                f"{' '.join(str(err).split())}. {fix}."
             ) from err
         yield group
 
