@@ -47,10 +47,14 @@ def test_pack_sequences_rejects_mismatched_shapes():
         pack_sequences(torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 4, dtype=torch.bool))
 
 
-@pytest.fixture(scope="module", params=["sdpa", "eager"])
+@pytest.fixture(scope="module", params=["sdpa", "eager", "miles_varlen_sdpa"])
 def tiny_llama(request, tiny_llama_dir):
-    """The tiny random Llama in fp32 with each CPU attention implementation."""
+    """The tiny random Llama in fp32 with each CPU attention implementation (and SDPA per packed sequence, what the
+    trainer uses for packed batches: ``miles.core.varlen_attention``)."""
+    from miles.core.varlen_attention import register_varlen_sdpa
     from transformers import AutoModelForCausalLM
+
+    register_varlen_sdpa()
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation=request.param)
     assert model.config._attn_implementation == request.param

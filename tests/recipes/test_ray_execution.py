@@ -122,8 +122,9 @@ def _error(overrides: list[str]) -> str:
         pytest.param(
             [*RAY, "--train.world-size", "2", "--execution.ray.num-cpus", "3", "--engine.num-servers", "2",
              "--execution.ray.engine-cpus-per-server", "1"],
-            "execution.ray.num_cpus is 3, but the trainer's bundles (2 CPUs) and the engine bundles (engine.num_servers "
-            "x execution.ray.engine_cpus_per_server = 2 x 1 = 2 CPUs) need 4, so they could never all be placed. Set "
+            "execution.ray.num_cpus is 3, but the trainer's bundles (2 CPUs) and the engine bundles "
+            "(engine.num_servers x execution.ray.engine_cpus_per_server = 2 x 1 = 2 CPUs) need 4, so they could "
+            "never all be placed. Set "
             "--execution.ray.num-cpus 4 (or more; logical CPUs may exceed the cores), or lower "
             "--execution.ray.engine-cpus-per-server.",
             id="engine_and_trainer_bundles_larger_than_the_cluster",

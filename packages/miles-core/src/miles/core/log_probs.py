@@ -13,8 +13,9 @@ from torch import Tensor
 # Attention implementations that keep packed sequences apart (transformers 5.x). eager/sdpa/flex: the causal mask
 # is built from ``position_ids`` when ``attention_mask`` is None and there is no cache (masking_utils.py,
 # ``_preprocess_mask_arguments`` -> ``find_packed_sequence_indices`` -> ``packed_sequence_mask_function``).
-# flash_attention_*: varlen kernels over the ``cu_seq_lens_*`` kwargs (modeling_flash_attention_utils.py).
-_PACKED_MASK_ATTENTION = ("eager", "sdpa", "flex_attention")
+# flash_attention_*: varlen kernels over the ``cu_seq_lens_*`` kwargs (modeling_flash_attention_utils.py);
+# miles_varlen_sdpa (``miles.core.varlen_attention``): SDPA per sequence over the same kwargs.
+_PACKED_MASK_ATTENTION = ("eager", "sdpa", "flex_attention", "miles_varlen_sdpa")
 
 
 def _scaled_token_log_probs(
@@ -143,8 +144,8 @@ def packed_model_response_log_probs(
     if attn_impl not in _PACKED_MASK_ATTENTION and "flash" not in attn_impl:
         raise ValueError(
             f"train.batch_layout 'packed' needs an attention implementation that keeps packed sequences apart "
-            f"(eager, sdpa, flex_attention, flash_attention_*), but the model uses {attn_impl!r}, whose mask "
-            "transformers would not build from position_ids: tokens would attend across sequences. "
+            f"(eager, sdpa, flex_attention, flash_attention_*, miles_varlen_sdpa), but the model uses {attn_impl!r}, "
+            "whose mask transformers would not build from position_ids: tokens would attend across sequences. "
             "Load the model with attn_implementation='sdpa' or set --train.batch-layout padded."
         )
     packed = pack_sequences(tokens, attention_mask)

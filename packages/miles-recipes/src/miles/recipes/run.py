@@ -662,6 +662,24 @@ def evaluate_model(cfg: MilesConfig, *, log_dir: Path) -> dict[str, float]:
         return (plugins.eval_fn or evaluate)(components, cfg.eval)
 
 
+def resolve_precision(cfg: MilesConfig) -> MilesConfig:
+    """``cfg`` with ``train.dtype`` / ``engine.dtype`` ``auto`` decided for this machine, each decision logged with
+    its reason (``miles.core.precision``); the run's ``config.yaml`` then records the dtypes that ran."""
+    from miles.core.precision import fast_bf16, resolve_dtype
+
+    if "auto" not in (cfg.train.dtype, cfg.engine.dtype):
+        return cfg
+    _, reason = fast_bf16()
+    update = {}
+    if cfg.train.dtype == "auto":
+        update["train"] = cfg.train.model_copy(update={"dtype": resolve_dtype("auto")})
+    if cfg.engine.dtype == "auto":
+        update["engine"] = cfg.engine.model_copy(update={"dtype": resolve_dtype("auto")})
+    for key, section in update.items():
+        logger.info("%s.dtype auto -> %s: %s", key, section.dtype, reason)
+    return cfg.model_copy(update=update)
+
+
 def run(
     cfg: MilesConfig, run_dir: Path, *, resume_from: Path | None = None, replace_existing: bool = False
 ) -> RunResult:
@@ -701,6 +719,7 @@ def run(
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     with _run_log(run_dir) as start_log, contextlib.ExitStack() as stack:
+        cfg = resolve_precision(cfg)
         # Everything is validated; now build (the order puts cheap failures first).
         plugins = load_run_plugins(cfg)
         reward_fn, data_source, eval_prompts = build_inputs(cfg)

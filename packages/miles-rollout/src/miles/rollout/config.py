@@ -247,8 +247,10 @@ class EmbeddedEngineConfig(_Section):
         "vllm (vLLM servers Miles starts), sglang (SGLang servers, or `miles serve` on CPU, optionally behind "
         "sglang-router).",
     )
-    dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="Engine weights/compute dtype; bf16 only pays off on GPUs or CPUs with AVX512-BF16/AMX."
+    dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "fp32",
+        description="Engine weights/compute dtype. bf16 only pays off on GPUs or CPUs with AVX512-BF16/AMX; auto "
+        "picks bf16 there and fp32 elsewhere, decided when the run starts (the reason is logged).",
     )
     max_batch_size: int = Field(
         64,
@@ -308,7 +310,11 @@ class HealthCheckConfig(_Section):
 class _ServerEngineConfig(_Section):
     """What every server engine shares: where the servers run, how Miles starts them and talks to them."""
 
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="The servers' weights/compute dtype.")
+    dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "fp32",
+        description="The servers' weights/compute dtype; auto: bf16 where the machine starting the run has fast bf16 "
+        "(a GPU with bf16, a CPU with AVX512-BF16/AMX), else fp32.",
+    )
     num_servers: int = Field(1, ge=1, description="Servers Miles starts (each holds the whole model).")
     urls: list[str] = Field(
         default_factory=list,

@@ -27,11 +27,12 @@ class TrainConfig(BaseModel):
         description="Sequences per forward/backward; gradients accumulate to the global batch, and the "
         "result does not depend on this split (loss denominators are global).",
     )
-    dtype: Literal["bf16", "fp32"] = Field(
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
         "fp32",
-        description="Compute dtype. fp32: everything fp32 (the CPU default). bf16: bf16 params in forward/backward "
-        "with fp32 master weights, fp32 gradient reduction and optimizer (pure bf16 rounds away updates of ~1e-5); "
-        "use it on GPUs, or CPUs with AVX512-BF16/AMX (on AVX2-only CPUs bf16 matmuls measured ~70x slower).",
+        description="Compute dtype. fp32: everything fp32. bf16: bf16 params in forward/backward with fp32 master "
+        "weights, fp32 gradient reduction and optimizer (pure bf16 rounds away updates of ~1e-5); use it on GPUs, "
+        "or CPUs with AVX512-BF16/AMX (on AVX2-only CPUs bf16 matmuls measured ~70x slower). auto: bf16 where the "
+        "machine starting the run has fast bf16, fp32 elsewhere (decided at run start, the reason logged).",
     )
     batch_layout: Literal["padded", "packed"] = Field(
         "padded",

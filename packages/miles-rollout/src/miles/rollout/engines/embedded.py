@@ -126,7 +126,8 @@ class EmbeddedEngine:
 
     Args:
         model_path: HF model directory (config.json + safetensors).
-        dtype: "fp32" or "bf16" for the engine's weights and compute.
+        dtype: "fp32" or "bf16" for the engine's weights and compute; "auto" is bf16 where this machine has fast
+            bf16 (``miles.core.precision``), else fp32.
         max_batch_size: most requests decoded together (the KV cache's slots).
         stop_token_ids: ids that end a response (finish_reason "stop"); default the model's eos ids.
         logprob_mode: "prefill" (default) rescores prompt + response with the trainer's forward (continuous
@@ -156,16 +157,18 @@ class EmbeddedEngine:
         self,
         model_path: str | Path,
         *,
-        dtype: Literal["fp32", "bf16"] = "fp32",
+        dtype: Literal["auto", "fp32", "bf16"] = "fp32",
         max_batch_size: int = 64,
         stop_token_ids: Sequence[int] | None = None,
         logprob_mode: Literal["prefill", "decode"] = "prefill",
         continuous: bool = True,
     ) -> None:
+        from miles.core.precision import resolve_dtype
         from transformers import AutoModelForCausalLM
 
-        if dtype not in DTYPES:
-            raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"engine dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+        dtype = resolve_dtype(dtype)
         if logprob_mode not in ("prefill", "decode"):
             raise ValueError(f"logprob_mode must be 'prefill' or 'decode', got {logprob_mode!r}")
         if max_batch_size < 1:

@@ -266,9 +266,13 @@ def launch_engine(
             i and asks for its resources (disaggregated engine bundles). None: as ``colocate_with`` None.
         weight_dir: ``engine.weight_transfer`` disk without ``engine.weight_dir``: the directory the versions go
             to, removed by ``close``.
+    ``engine.dtype`` auto is decided here for this machine (``miles.core.precision.resolve_dtype``).
     Raises: ServerStartError (one message with the server's log tail and the fix) when a server does not start;
         EngineRestartError (its actor's error) when a server actor does not start.
     """
+    from miles.core.precision import resolve_dtype
+
+    cfg = cfg.model_copy(update={"dtype": resolve_dtype(cfg.dtype)})  # engine.dtype auto, decided for this machine
     if isinstance(cfg, EmbeddedEngineConfig):
         return _embedded(cfg, model_path)
     disk_root = _disk_root(cfg, weight_dir, log_dir)

@@ -21,14 +21,14 @@ from miles.core.algorithms.objective import (
 )
 from miles.core.batch import TrainBatch, split_micro_batches
 from miles.core.log_probs import model_response_log_probs, packed_model_response_log_probs, warn_if_slow_bf16
+from miles.core.precision import torch_dtype
+from miles.core.varlen_attention import register_varlen_sdpa
 from miles.train.config import TrainConfig
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from miles.train.fsdp2.state import full_model_state, gather_module_state, load_module, write_weights
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
-
-PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def ensure_process_group() -> None:
@@ -86,11 +86,12 @@ class FSDP2Backend:
         self.temperature, self.teacher_temperature = temperature, teacher_temperature
         self.model_path = Path(model_path)
         self.weight_sink = weight_sink
-        warn_if_slow_bf16(PARAM_DTYPES[train.dtype], logger, where="train.dtype")
+        warn_if_slow_bf16(torch_dtype(train.dtype), logger, where="train.dtype")
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         model.config.use_cache = False
+        _packed_attention(model, train.batch_layout)
         mesh = init_device_mesh("cpu", (self.world_size,))
-        self.model = parallelize(model, mesh=mesh, param_dtype=PARAM_DTYPES[train.dtype])
+        self.model = parallelize(model, mesh=mesh, param_dtype=torch_dtype(train.dtype))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=train.lr,
@@ -101,16 +102,16 @@ class FSDP2Backend:
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps=train.warmup_steps)
         self.ref_model = None
         if reference_path is not None:  # frozen, unsharded, no grad; same vocabulary as the policy
-            self.ref_model = AutoModelForCausalLM.from_pretrained(
-                reference_path, dtype=PARAM_DTYPES[train.dtype]
-            ).eval()
+            self.ref_model = AutoModelForCausalLM.from_pretrained(reference_path, dtype=torch_dtype(train.dtype)).eval()
             self.ref_model.requires_grad_(False)
+            _packed_attention(self.ref_model, train.batch_layout)
         self.teacher_model = None
         if teacher_path is not None:  # frozen, unsharded, no grad; same vocabulary as the policy
             self.teacher_model = AutoModelForCausalLM.from_pretrained(
-                teacher_path, dtype=PARAM_DTYPES[train.dtype]
+                teacher_path, dtype=torch_dtype(train.dtype)
             ).eval()
             self.teacher_model.requires_grad_(False)
+            _packed_attention(self.teacher_model, train.batch_layout)
         self.critic = None
         if critic_path is not None:
             from miles.train.fsdp2.critic import Critic
@@ -118,7 +119,7 @@ class FSDP2Backend:
             self.critic = Critic(
                 critic_path,
                 mesh=mesh,
-                param_dtype=PARAM_DTYPES[train.dtype],
+                param_dtype=torch_dtype(train.dtype),
                 lr=critic_lr,
                 micro_batch_size=train.micro_batch_size,
                 grad_clip=train.grad_clip,
@@ -370,6 +371,13 @@ class FSDP2Backend:
                 )
             self.critic.step = trainer_state["step"]
         self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]
+
+
+def _packed_attention(model: torch.nn.Module, batch_layout: str) -> None:
+    """Packed rows attend per sequence (``miles.core.varlen_attention``) where the model would use SDPA over a
+    block-diagonal mask of the whole row; flash/flex/eager implementations are left as they are."""
+    if batch_layout == "packed" and model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(register_varlen_sdpa())
 
 
 def _all_reduce(totals: Tensor, op: str) -> Tensor:
