@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
+from miles.core.algorithms.config import ON_OFF
 from pydantic import BaseModel, ConfigDict, Field
+
+LLAMA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(BaseModel):
+    """LoRA adapters on the policy (peft): only the adapters train; the engines get merged weights.
+
+    W' = W + (alpha / r) B A (rsLoRA: alpha / sqrt(r)), A [r, in] Kaiming-uniform, B [out, r] zeros, so training
+    starts from the base model exactly (Hu et al. 2021, arXiv:2106.09685; Kalajdzievski 2023, arXiv:2312.03732).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(16, ge=1, description="r, the adapters' rank.")
+    alpha: float = Field(32.0, gt=0.0, description="lora_alpha: the update is scaled by alpha / r (rsLoRA: / sqrt(r)).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input during training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LLAMA_LINEAR_MODULES),
+        min_length=1,
+        description="Names (last path component) of the Linear layers that get adapters; the default is every "
+        "attention and MLP projection of Llama/Qwen-family models.",
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilized scaling alpha / sqrt(r) instead of alpha / r.")
+    init_seed: int = Field(
+        0, description="Seed of the A matrices' initialization (the same on every rank and every run of a config)."
+    )
 
 
 class TrainConfig(BaseModel):
@@ -46,6 +73,13 @@ class TrainConfig(BaseModel):
         description="Data-parallel ranks (FSDP2 shards). 1 trains in this process (execution.mode local); >1 needs "
         "execution.mode ray: one Ray actor per rank, each on a CPU bundle of execution.ray.trainer_cpus_per_rank, "
         "joined over gloo (ranks on GPU bundles are not wired into miles train yet).",
+    )
+    lora: Annotated[LoraConfig | None, ON_OFF] = Field(
+        None,
+        description="LoRA adapters (peft) on the policy: the optimizer holds only the adapters, checkpoints hold the "
+        "adapters (and the merged model for export), the KL reference is the policy with its adapters disabled, "
+        "and each weight push sends the merged weights (W + scale * B A; the untouched ones exactly as loaded). "
+        "null (the default) = full fine-tuning; --train.lora on (or any --train.lora.KEY) turns it on.",
     )
     skip_nonfinite_steps: bool = Field(
         True,

@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 from collections.abc import Collection, Iterable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol
 
@@ -24,6 +25,15 @@ from miles.core.log_probs import model_response_log_probs, packed_model_response
 from miles.core.precision import torch_dtype
 from miles.core.varlen_attention import register_varlen_sdpa
 from miles.train.config import TrainConfig
+from miles.train.fsdp2.lora import (
+    adapter_state,
+    adapters_disabled,
+    apply_lora,
+    load_adapters,
+    merge_state,
+    merged_weights,
+    write_peft_config,
+)
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from miles.train.fsdp2.state import full_model_state, gather_module_state, load_module, write_weights
 from torch import Tensor
@@ -90,10 +100,12 @@ class FSDP2Backend:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         model.config.use_cache = False
         _packed_attention(model, train.batch_layout)
+        if train.lora is not None:
+            apply_lora(model, train.lora)
         mesh = init_device_mesh("cpu", (self.world_size,))
         self.model = parallelize(model, mesh=mesh, param_dtype=torch_dtype(train.dtype))
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapters only
             lr=train.lr,
             betas=(train.adam_beta1, train.adam_beta2),
             eps=train.adam_eps,
@@ -101,7 +113,13 @@ class FSDP2Backend:
         )
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps=train.warmup_steps)
         self.ref_model = None
-        if reference_path is not None:  # frozen, unsharded, no grad; same vocabulary as the policy
+        # LoRA with the initial policy as reference: the reference is the policy with its adapters off, no 2nd copy
+        self.ref_is_base = (
+            train.lora is not None
+            and reference_path is not None
+            and (Path(reference_path).resolve() == self.model_path.resolve())
+        )
+        if reference_path is not None and not self.ref_is_base:  # frozen, unsharded, no grad; same vocabulary
             self.ref_model = AutoModelForCausalLM.from_pretrained(reference_path, dtype=torch_dtype(train.dtype)).eval()
             self.ref_model.requires_grad_(False)
             _packed_attention(self.ref_model, train.batch_layout)
@@ -135,7 +153,7 @@ class FSDP2Backend:
     def available_outputs(self) -> frozenset[str]:
         """The ``forward`` outputs this backend can compute (the models it holds)."""
         held = {"old_log_probs"}
-        held |= {"ref_log_probs"} if self.ref_model is not None else set()
+        held |= {"ref_log_probs"} if self.ref_model is not None or self.ref_is_base else set()
         held |= {"teacher_log_probs"} if self.teacher_model is not None else set()
         held |= {"values"} if self.critic is not None else set()
         return frozenset(held)
@@ -174,10 +192,16 @@ class FSDP2Backend:
         models = {"old_log_probs": self.model, "ref_log_probs": self.ref_model, "teacher_log_probs": self.teacher_model}
         parts: dict[str, list[Tensor]] = {name: [] for name in models if name in outputs}
         width = batch.loss_mask.shape[1]
+        if self.ref_is_base:
+            models["ref_log_probs"] = self.model
         for mb in split_micro_batches(batch, self.train_cfg.micro_batch_size) if parts else []:
             for name in parts:
                 temperature = self.teacher_temperature if name == "teacher_log_probs" else None
-                lp = self._log_probs(models[name], mb, with_entropy=False, temperature=temperature)[0]
+                base_only = (
+                    adapters_disabled(self.model) if name == "ref_log_probs" and self.ref_is_base else nullcontext()
+                )
+                with base_only:
+                    lp = self._log_probs(models[name], mb, with_entropy=False, temperature=temperature)[0]
                 parts[name].append(_pad_cols(lp, width))
         changes = {name: torch.cat(values) for name, values in parts.items()}
         if "values" in outputs:
@@ -280,9 +304,12 @@ class FSDP2Backend:
         unique: dict[int, tuple[str, Tensor]] = {}  # keep_vars: the Parameters themselves, so tied names share one
         for name, tensor in self.model.state_dict(keep_vars=True).items():
             unique.setdefault(id(tensor), (name, tensor))
+        named = list(unique.values())
+        # LoRA: the merged weights (W + scale * B A; the engines hold no adapters), other tensors as held
+        stream = merged_weights(self.model, named) if self.train_cfg.lora is not None else _gathered(named)
         if self.world_size == 1:  # a 1-rank mesh (bf16's mixed-precision wrapper) gathers nothing
-            return list(_gathered(list(unique.values())))
-        return _gathered(list(unique.values()))
+            return list(stream)
+        return stream
 
     def push_weights(self, version: int) -> None:
         """Send the full weights as update ``version`` from this rank (collective: every rank gathers, one tensor
@@ -315,6 +342,10 @@ class FSDP2Backend:
         if self.rank != 0:
             return
         path = Path(path)
+        if self.train_cfg.lora is not None:  # adapters alone (peft's layout) for resume; model/ merged for export
+            write_weights(adapter_state(weights), path / "adapter" / "adapter_model.safetensors")
+            write_peft_config(self.train_cfg.lora, str(self.model_path), path / "adapter")
+            weights = merge_state(self.model, weights)
         write_weights(weights, path / "model" / "model.safetensors")
         config = copy.deepcopy(self.model.config)
         config.use_cache = True  # turned off for training only; the saved model is for inference
@@ -347,7 +378,17 @@ class FSDP2Backend:
         path = Path(path)
         trainer_state = json.loads((path / "trainer_state.json").read_text())
         state = torch.load(path / "optimizer.pt", weights_only=True)
-        load_module(self.model, self.optimizer, path / "model" / "model.safetensors", state["optimizer"])
+        if self.train_cfg.lora is not None:
+            if not (path / "adapter" / "adapter_model.safetensors").is_file():
+                raise FileNotFoundError(
+                    f"{path} has no adapter/ but this run trains LoRA adapters (train.lora); resume from a checkpoint "
+                    "of a LoRA run, or turn train.lora off"
+                )
+            load_adapters(
+                self.model, self.optimizer, path / "adapter" / "adapter_model.safetensors", state["optimizer"]
+            )
+        else:
+            load_module(self.model, self.optimizer, path / "model" / "model.safetensors", state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
             if not (path / "critic" / "model.safetensors").is_file():

@@ -1,0 +1,179 @@
+"""LoRA adapters on the policy (peft), merged for the engines and saved alone for the checkpoint.
+
+The adapters are injected into the HF model in place (``peft.inject_adapter_in_model``: each targeted
+``nn.Linear`` becomes a ``peft.tuners.lora.Linear`` holding the original as ``base_layer``), so the model keeps its
+class, ``model.model.layers`` (what FSDP2 shards) and call signature. Names in its state dict:
+``X.base_layer.weight`` (frozen base), ``X.lora_A.default.weight`` [r, in], ``X.lora_B.default.weight`` [out, r].
+
+Merged weight (what the engines get and ``model/`` holds): ``W' = W + scaling * B @ A`` with
+``scaling = alpha / r`` (rsLoRA ``alpha / sqrt(r)``), computed in fp32 from the full tensors; every other tensor is
+sent exactly as held (the untouched base). Hu et al. 2021 (arXiv:2106.09685).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from miles.train.config import LoraConfig
+from torch import Tensor, nn
+
+ADAPTER = "default"  # peft's adapter name
+_BASE = ".base_layer."
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
+    """Inject ``cfg``'s adapters into ``model`` in place (A seeded by ``cfg.init_seed``, B zeros) and make them its
+    only trainable parameters.
+
+    Raises: ValueError (one line naming ``train.lora.target_modules``) when no module of the model matches.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        use_rslora=cfg.use_rslora,
+        bias="none",
+    )
+    try:
+        # A is drawn from the global RNG: seeded here so every rank and every run (a resumed one too) start alike,
+        # without moving the run's own RNG stream
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.init_seed)
+            inject_adapter_in_model(peft_cfg, model)
+    except ValueError as err:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(
+            f"train.lora.target_modules {list(cfg.target_modules)} match no Linear layer of this model; its Linear "
+            f"layers are named {names} ({err})"
+        ) from None
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" in name)
+
+
+def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The LoRA-wrapped layers by module name (empty for a model without adapters)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+def has_lora(model: nn.Module) -> bool:
+    """Whether ``model`` holds LoRA adapters."""
+    return bool(adapter_layers(model))
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model's forward (every adapter off) inside the block: the KL reference of a LoRA policy."""
+    layers = list(adapter_layers(model).values())
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def _full(tensor: Tensor) -> Tensor:
+    with torch.no_grad():  # per tensor: DTensor.full_tensor is collective on a sharded model
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
+
+
+def merged_weights(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, full tensor) pairs of the merged model from ``named`` (``model``'s state-dict items, possibly
+    sharded), in order: adapters folded into their base weights, adapter tensors dropped, ``.base_layer`` removed
+    from names. Collective on a sharded model (every rank must read the whole stream).
+
+    Returns: merged weights in fp32 for LoRA layers (``W + scaling * B @ A``), every other tensor as held.
+    """
+    layers = adapter_layers(model)
+    for name, tensor in named:
+        if ".lora_" in name:
+            continue
+        if _BASE not in name:
+            yield name, _full(tensor)
+            continue
+        prefix, suffix = name.split(_BASE, 1)
+        full = _full(tensor)
+        if suffix == "weight":
+            layer = layers[prefix]
+            a, b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
+            with torch.no_grad():
+                full = full + (b.float() @ a.float()).to(full.dtype) * layer.scaling[ADAPTER]
+        yield f"{prefix}.{suffix}", full
+
+
+def merge_state(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``merged_weights`` of a full state dict (a checkpoint's ``model/``: a plain HF model's names and values)."""
+    return dict(merged_weights(model, state.items()))
+
+
+def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The adapter tensors of a full state dict under peft's saved names (``PeftModel.save_pretrained``:
+    ``base_model.model.<module>.lora_A.weight``), so ``PeftModel.from_pretrained(base, dir)`` loads them."""
+    return {
+        "base_model.model." + name.replace(f".{ADAPTER}.", "."): tensor
+        for name, tensor in state.items()
+        if ".lora_" in name
+    }
+
+
+def adapter_state_to_model(saved: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``adapter_state``'s names back to the injected model's (``<module>.lora_A.default.weight``)."""
+    prefix = "base_model.model."
+    out = {}
+    for name, tensor in saved.items():
+        module_name = name[len(prefix) :] if name.startswith(prefix) else name
+        head, kind, rest = module_name.partition(".lora_")
+        kind_name, _, param = rest.partition(".")
+        out[f"{head}.lora_{kind_name}.{ADAPTER}.{param}"] = tensor
+    return out
+
+
+def load_adapters(model: nn.Module, optimizer: torch.optim.Optimizer, path, optim_state: dict) -> None:
+    """Load ``adapter_state``'s file into ``model``'s adapters (the base stays as loaded) and the optimizer state.
+
+    Raises: ValueError naming the differing tensors when the file's adapters are not exactly the model's (another
+        ``train.lora.rank`` / ``target_modules``).
+    """
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    weights = adapter_state_to_model(load_file(path))
+    expected = {name: p.shape for name, p in model.named_parameters() if ".lora_" in name}
+    wrong = sorted(set(weights) ^ set(expected)) or [n for n in weights if weights[n].shape != expected[n]]
+    if wrong:
+        raise ValueError(
+            f"{path} holds other adapters than train.lora makes here (first: {wrong[0]}): resume with the run's "
+            "own train.lora settings (rank, target_modules)"
+        )
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+
+
+def write_peft_config(cfg: LoraConfig, base_model_path: str, directory) -> None:
+    """Write peft's ``adapter_config.json`` for ``cfg`` into ``directory`` (what ``PeftModel.from_pretrained``
+    reads beside ``adapter_model.safetensors``)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        use_rslora=cfg.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model_path,
+    ).save_pretrained(str(directory))
