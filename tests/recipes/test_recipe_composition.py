@@ -103,6 +103,7 @@ def _nested(flat: dict) -> dict:
     remote = {"url": "", "score_key": "score", "timeout_s": 30.0, "max_retries": 3, "backoff_s": 0.5}
     tree["reward"] |= {"code": code, "remote": remote}
     tree["run"] |= {"hooks": [], "sinks": []}
+    tree["train"] = {**flat["train"], "lora": None}  # LoRA: added later, off (full fine-tuning)
     return tree
 
 

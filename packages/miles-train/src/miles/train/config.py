@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from miles.core.algorithms.config import ON_OFF
+from miles.core.config import ON_OFF  # the `on` / `off` switch every optional section takes
 from pydantic import BaseModel, ConfigDict, Field
 
 LLAMA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
