@@ -141,7 +141,7 @@ def test_resume_with_other_adapters_and_unknown_modules_fail_in_one_line(tiny_ll
     backend = _backend(tiny_llama_dir)
     backend.save(tmp_path)
     other = _backend(tiny_llama_dir, lora=LoraConfig(rank=2, target_modules=["q_proj", "v_proj", "down_proj"]))
-    with pytest.raises(ValueError, match=r"holds other adapters than train.lora makes here"):
+    with pytest.raises(ValueError, match=r"was trained with r 4, this run has 2"):
         other.load(tmp_path)
     with pytest.raises(ValueError, match=r"train.lora.target_modules \['qkv'\] match no Linear layer.*'q_proj'"):
         _backend(tiny_llama_dir, lora=LoraConfig(target_modules=["qkv"]))
@@ -162,3 +162,56 @@ def test_adapter_init_is_seeded_not_taken_from_the_run_rng(tiny_llama_dir):
     for (name, a), (_, b), (_, c) in zip(*(m.model.named_parameters() for m in (first, second, third))):
         if "lora_A" in name:
             assert torch.equal(a, b) and not torch.equal(a, c), name
+
+
+@pytest.mark.integration
+def test_two_ranks_push_save_and_load_the_same_merged_model_as_one(tiny_llama_dir, tmp_path):
+    # Regression: rank 0 merged the checkpoint from the live (sharded) adapters after the other rank had returned:
+    # an all-gather one rank ran alone, so save hung.
+    import subprocess
+
+    from miles.core.algorithms.objective import LossCounts
+    from transformers import AutoModelForCausalLM
+
+    worker = Path(__file__).parent / "lora_worker.py"
+    out = tmp_path / "rank0.pt"
+    args = [str(tmp_path / "init"), str(tiny_llama_dir), str(out)]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", *args], cwd=worker.parent) for r in range(2)]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    result = torch.load(out, weights_only=True)
+    single = _backend(tiny_llama_dir)
+    batch = make_batch()
+    single.forward_backward(batch, OBJECTIVE, LossCounts.of(batch))
+    single.optimizer_step()
+    expected = dict(single.export_weights())
+    assert result["pushed"].keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(result["pushed"][name], tensor, atol=1e-5, rtol=0, msg=name)
+        assert torch.equal(result["restored"][name], result["pushed"][name]), name
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint" / "model", dtype=torch.float32).state_dict()
+    for name, tensor in result["pushed"].items():
+        assert torch.equal(saved[name], tensor), name
+
+
+def test_adapter_dropout_is_on_in_training_only(tiny_llama_dir):
+    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.5, target_modules=["q_proj", "v_proj"])
+    backend = _backend(tiny_llama_dir, lora=lora)
+    train_step(backend, make_batch(seed=0), OBJECTIVE)  # B != 0, so dropout would show in the output
+    batch = make_batch(seed=2)
+    first = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    second = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    assert torch.equal(first, second)  # no dropout outside training: deterministic, like the engine's
+    layers = [m for n, m in backend.model.named_modules() if n.endswith("lora_dropout.default")]
+    assert layers and not any(m.training for m in layers)
+
+
+def test_resume_with_other_scaling_and_untied_targets_are_refused(tiny_llama_dir, tiny_smollm2_dir, tmp_path):
+    backend = _backend(tiny_llama_dir)
+    backend.save(tmp_path)
+    other = _backend(tiny_llama_dir, lora=LoraConfig(rank=4, alpha=16.0, target_modules=LORA.target_modules))
+    with pytest.raises(ValueError, match=r"was trained with lora_alpha 8.0, this run has 16.0"):
+        other.load(tmp_path)
+    with pytest.raises(ValueError, match=r"lm_head shares its weight with the input embedding"):
+        _backend(tiny_smollm2_dir, lora=LoraConfig(target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match=r"embed_tokens is a Embedding; adapters go on nn.Linear layers only"):
+        _backend(tiny_llama_dir, lora=LoraConfig(target_modules=["embed_tokens"]))

@@ -26,6 +26,7 @@ from miles.core.precision import torch_dtype
 from miles.core.varlen_attention import register_varlen_sdpa
 from miles.train.config import TrainConfig
 from miles.train.fsdp2.lora import (
+    adapter_dropout,
     adapter_state,
     adapters_disabled,
     apply_lora,
@@ -228,7 +229,19 @@ class FSDP2Backend:
             # FSDP2 averages gradients over ranks; the loss already divides by global counts, so undo it.
             (loss * self.world_size).backward()
 
-        sums = accumulate_policy_loss(
+        dropout = adapter_dropout(self.model) if self.train_cfg.lora is not None else nullcontext()
+        with dropout:
+            sums = self._accumulate(objective, batch, counts, backward)
+        if self.critic is not None and objective.value is not None:
+            sums.update(self.critic.forward_backward(batch, objective.value, counts))
+        metrics = reduce_policy_metrics(objective, sums, counts, all_reduce=_all_reduce)
+        self._pending_loss = metrics["loss"]
+        if "loss/value" in metrics:
+            self.critic.pending_loss = metrics["loss/value"]  # global: every rank takes the same skip decision
+        return metrics
+
+    def _accumulate(self, objective: PolicyObjective, batch: TrainBatch, counts: LossCounts, backward) -> dict:
+        return accumulate_policy_loss(
             objective,
             batch,
             counts,
@@ -237,13 +250,6 @@ class FSDP2Backend:
             log_probs_fn=lambda mb: self._log_probs(self.model, mb, with_entropy=True),
             backward=backward,
         )
-        if self.critic is not None and objective.value is not None:
-            sums.update(self.critic.forward_backward(batch, objective.value, counts))
-        metrics = reduce_policy_metrics(objective, sums, counts, all_reduce=_all_reduce)
-        self._pending_loss = metrics["loss"]
-        if "loss/value" in metrics:
-            self.critic.pending_loss = metrics["loss/value"]  # global: every rank takes the same skip decision
-        return metrics
 
     def optimizer_step(self, *, loss: float | None = None) -> dict[str, float]:
         """Clip gradients, step AdamW and the LR schedule, zero gradients; skip the step on NaN/inf (config).
@@ -385,7 +391,11 @@ class FSDP2Backend:
                     "of a LoRA run, or turn train.lora off"
                 )
             load_adapters(
-                self.model, self.optimizer, path / "adapter" / "adapter_model.safetensors", state["optimizer"]
+                self.model,
+                self.optimizer,
+                path / "adapter" / "adapter_model.safetensors",
+                state["optimizer"],
+                self.train_cfg.lora,
             )
         else:
             load_module(self.model, self.optimizer, path / "model" / "model.safetensors", state["optimizer"])

@@ -52,6 +52,22 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
             f"train.lora.target_modules {list(cfg.target_modules)} match no Linear layer of this model; its Linear "
             f"layers are named {names} ({err})"
         ) from None
+    from peft.tuners.lora import Linear as LoraLinear
+
+    tied = getattr(model.config, "tie_word_embeddings", False) and model.get_input_embeddings() is not None
+    for name, layer in adapter_layers(model).items():
+        base = layer.get_base_layer()
+        if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out:
+            raise ValueError(
+                f"train.lora.target_modules: {name} is a {type(base).__name__}; adapters go on nn.Linear layers "
+                "only (their merge is W + scale * B A)"
+            )
+        if tied and base.weight is model.get_input_embeddings().weight:
+            raise ValueError(
+                f"train.lora.target_modules: {name} shares its weight with the input embedding "
+                "(tie_word_embeddings), so its merged weight could not be sent apart from it; leave it out"
+            )
+        layer.lora_dropout.eval()  # dropout only inside ``adapter_dropout`` (the training forward)
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
 
@@ -81,6 +97,20 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
+@contextmanager
+def adapter_dropout(model: nn.Module) -> Iterator[None]:
+    """The adapters' dropout on inside the block (the training forward/backward), off elsewhere: log-probs for
+    the ratio's denominator, the reference and the weight probe stay deterministic, like the engine's."""
+    layers = list(adapter_layers(model).values())
+    for layer in layers:
+        layer.lora_dropout.train()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_dropout.eval()
+
+
 def _full(tensor: Tensor) -> Tensor:
     with torch.no_grad():  # per tensor: DTensor.full_tensor is collective on a sharded model
         return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
@@ -106,13 +136,28 @@ def merged_weights(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -> Ite
             layer = layers[prefix]
             a, b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
             with torch.no_grad():
-                full = full + (b.float() @ a.float()).to(full.dtype) * layer.scaling[ADAPTER]
+                full = full + ((b.float() @ a.float()) * layer.scaling[ADAPTER]).to(full.dtype)
         yield f"{prefix}.{suffix}", full
 
 
 def merge_state(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``merged_weights`` of a full state dict (a checkpoint's ``model/``: a plain HF model's names and values)."""
-    return dict(merged_weights(model, state.items()))
+    """The merged model (a checkpoint's ``model/``: plain HF names) from a full state dict holding the adapters
+    (``gather_module_state``'s). Reads only ``state`` and the layers' scalings: no collective, so rank 0 alone may
+    call it after the gather."""
+    scalings = {name: layer.scaling[ADAPTER] for name, layer in adapter_layers(model).items()}
+    merged = {}
+    for name, tensor in state.items():
+        if ".lora_" in name:
+            continue
+        if _BASE not in name:
+            merged[name] = tensor
+            continue
+        prefix, suffix = name.split(_BASE, 1)
+        if suffix == "weight":
+            a, b = state[f"{prefix}.lora_A.{ADAPTER}.weight"], state[f"{prefix}.lora_B.{ADAPTER}.weight"]
+            tensor = tensor + ((b.float() @ a.float()) * scalings[prefix]).to(tensor.dtype)
+        merged[f"{prefix}.{suffix}"] = tensor
+    return merged
 
 
 def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -137,12 +182,27 @@ def adapter_state_to_model(saved: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def load_adapters(model: nn.Module, optimizer: torch.optim.Optimizer, path, optim_state: dict) -> None:
+def load_adapters(model: nn.Module, optimizer: torch.optim.Optimizer, path, optim_state: dict, cfg: LoraConfig) -> None:
     """Load ``adapter_state``'s file into ``model``'s adapters (the base stays as loaded) and the optimizer state.
 
-    Raises: ValueError naming the differing tensors when the file's adapters are not exactly the model's (another
-        ``train.lora.rank`` / ``target_modules``).
+    Raises: ValueError naming the first difference when the checkpoint's adapters were made with other settings
+        (``adapter_config.json`` beside the file: r, alpha, rsLoRA, target modules) or other tensors.
     """
+    import json
+    from pathlib import Path
+
+    saved_cfg = json.loads((Path(path).parent / "adapter_config.json").read_text())
+    for key, want in (("r", cfg.rank), ("lora_alpha", cfg.alpha), ("use_rslora", cfg.use_rslora)):
+        if saved_cfg.get(key) != want:
+            raise ValueError(
+                f"{path.parent} was trained with {key} {saved_cfg.get(key)!r}, this run has {want!r}: resume with "
+                "the run's own train.lora settings"
+            )
+    if sorted(saved_cfg.get("target_modules") or []) != sorted(cfg.target_modules):
+        raise ValueError(
+            f"{path.parent} was trained with target_modules {sorted(saved_cfg.get('target_modules') or [])}, this run "
+            f"has {sorted(cfg.target_modules)}: resume with the run's own train.lora settings"
+        )
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
