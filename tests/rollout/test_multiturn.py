@@ -142,7 +142,7 @@ def test_stale_tokens_are_masked_by_the_weight_version_that_sampled_them(tokeniz
     assert unmasked[0].loss_mask[:model_1] == [1] * model_1
 
 
-def test_routed_experts_of_the_last_turn_cover_every_token(tokenizer):
+def test_routed_experts_cover_every_token_and_a_later_turn_keeps_what_an_earlier_recorded(tokenizer):
     first = turn(tokenizer, CALL)
     prompt_length = len(encode(tokenizer, tokenizer.apply_chat_template(PROMPT, tokenize=False,
                                                                         add_generation_prompt=True)))  # fmt: skip
@@ -153,7 +153,10 @@ def test_routed_experts_of_the_last_turn_cover_every_token(tokenizer):
         return GenerateOutput(ids, [-0.5] * len(ids), "stop", routed_experts=rows)
 
     [sample] = generate(Engine(respond), tokenizer)
-    assert len(sample.rollout_routed_experts) == len(sample.tokens) and sample.rollout_routed_experts[0] == [[1]]
+    routed = sample.rollout_routed_experts[:, 0, 0].tolist()
+    first_request = prompt_length + len(first.response_tokens)  # what the first turn's engine call routed
+    # the second request's prefill routed those tokens again (as 1); the routing recorded first (0) is kept
+    assert routed == [0] * first_request + [1] * (len(sample.tokens) - first_request)
     assert sample.prompt_length == prompt_length
 
 

@@ -262,6 +262,12 @@ class EmbeddedEngineConfig(_Section):
         description="prefill: rescore each response with one forward pass (trainer numerics); "
         "decode: keep the decode-step logits, as server engines do.",
     )
+    routed_experts: bool = Field(
+        False,
+        description="MoE routing replay (R3): record the experts every router chose for each token (from the forward "
+        "that gave the log-probs) and have the trainer route each token to them, gating weights from its live "
+        "router logits. Needs an MoE model (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5, GLM-5).",
+    )
     delta_weights: bool = _delta_weights_field()
     probe: ProbeConfig = _probe_field()
 

@@ -145,7 +145,7 @@ def _apply_output(sample: Sample, output: GenerateOutput, tokenizer: Any, *, mas
     if failure is not None:  # counted in samples/failed, excluded from advantages and the loss
         # Drop the response so no NaN or misaligned log-prob reaches the batch (masked rows still hold it).
         sample.tokens, sample.response_length, sample.rollout_log_probs = sample.tokens[: sample.prompt_length], 0, []
-        sample.loss_mask = sample.token_versions = None
+        sample.loss_mask = sample.token_versions = sample.rollout_routed_experts = None
         sample.status = SampleStatus.FAILED
         sample.metadata["failure"] = failure
     elif tokenizer is not None and output.response_tokens:  # token-only rollouts (tokenizer=None) have no text

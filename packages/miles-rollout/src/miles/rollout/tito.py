@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.core.protocols import GenerateOutput
+from miles.core.routing_replay import merge_routing, pad_routing
 
 # Log-prob stored at environment positions (loss_mask 0): a filler the trainer never reads (every use is masked).
 ENV_LOG_PROB = 0.0
@@ -127,9 +128,10 @@ class Trajectory:
         token_versions: per response token, the weight version that sampled it; None for environment tokens and
             where the engine did not say (several versions in a turn without ``segment_lengths``).
         weight_versions: every turn's ``weight_versions``, in order (one entry per generated segment).
-        routed_experts: the last model turn's routed experts ([len(tokens), layers, top_k], covering the whole
-            trajectory, since each request's prompt is all of it); None once environment ids follow it, or for
-            dense models.
+        routed_experts: the trajectory's routed experts ([len(tokens), layers, top_k] int32, -1 where nothing
+            was recorded: environment ids after the last model turn, a sequence's last token); each position keeps
+            the routing of the first request that recorded it (a later turn's prefill routes the earlier tokens
+            again, with weights that may have changed since they were sampled); None for dense models.
     """
 
     prompt_tokens: list[int]
@@ -162,7 +164,9 @@ class Trajectory:
         self.rollout_log_probs += [float(x) for x in log_probs]
         self.token_versions += output.token_versions()
         self.weight_versions += output.weight_versions
-        self.routed_experts = output.routed_experts
+        if output.routed_experts is not None or self.routed_experts is not None:
+            merged = merge_routing(self.routed_experts, output.routed_experts)
+            self.routed_experts = pad_routing(merged, len(self.tokens))
 
     def add_env_turn(self, tokens: Sequence[int]) -> None:
         """Append environment ids (tool results, template glue): mask 0, log-prob ``ENV_LOG_PROB``."""
@@ -170,7 +174,8 @@ class Trajectory:
         self.loss_mask += [0] * len(tokens)
         self.rollout_log_probs += [ENV_LOG_PROB] * len(tokens)
         self.token_versions += [None] * len(tokens)
-        self.routed_experts = None  # the engine has not routed these ids
+        if self.routed_experts is not None:  # the engine has not routed these ids (yet)
+            self.routed_experts = pad_routing(self.routed_experts, len(self.tokens))
 
     def mask_stale_tokens(self) -> None:
         """Mask (loss_mask 0) the model tokens sampled by weights older than the newest version in the trajectory

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import threading
@@ -24,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+import numpy as np
 import torch
 from miles.core.config import SamplingConfig
 from miles.core.log_probs import model_response_log_probs, warn_if_slow_bf16
 from miles.core.protocols import FinishReason, GenerateOutput, GenerateRequest, PauseMode
+from miles.core.routing_replay import NOT_RECORDED, RoutingRecorder, merge_routing, pad_routing, routing_layout
 from miles.rollout.engines import decode
 from miles.sync import WeightReceiver
 from torch import Tensor
@@ -62,6 +65,7 @@ class _Job:
     log_probs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     segment_lengths: list[int] = field(default_factory=list)
+    routed: np.ndarray | None = None  # [len(context), layers, top_k] int32 MoE routing (R3), when recorded
     started: bool = False
     aborted: bool = False  # by ``EmbeddedEngine.abort``: ends with finish_reason "abort", never retracted
 
@@ -78,7 +82,10 @@ class _Job:
             return sampling
         return sampling.model_copy(update={"max_new_tokens": sampling.max_new_tokens - len(self.response_tokens)})
 
-    def add_segment(self, tokens: list[int], log_probs: list[float], version: int) -> None:
+    def add_segment(
+        self, tokens: list[int], log_probs: list[float], version: int, routed: np.ndarray | None = None
+    ) -> None:
+        self.routed = merge_routing(self.routed, routed)  # an earlier segment's routing stays as recorded
         self.response_tokens += tokens
         self.log_probs += log_probs
         self.weight_versions.append(version)
@@ -92,6 +99,7 @@ class _Job:
             request_id=self.request.request_id,
             weight_versions=list(self.weight_versions),
             segment_lengths=list(self.segment_lengths) if self.segment_lengths else None,
+            routed_experts=None if self.routed is None else pad_routing(self.routed, len(self.context)),
         )
 
 
@@ -136,7 +144,14 @@ class EmbeddedEngine:
             server engines return; ~2e-5 apart in fp32) and costs no second pass.
         continuous: run Llama-family models with Miles' continuous-batching loop (``decode``); False, or another
             model, runs batches through HF ``generate``.
-    Raises: ValueError for an unknown dtype or logprob_mode, max_batch_size < 1, or a path without a model.
+        routed_experts: record the experts every MoE router chose for each token (routing replay, R3;
+            ``miles.core.routing_replay``): ``GenerateOutput.routed_experts`` [prompt + response tokens, num_layers,
+            top_k] int32, -1 for dense layers and the last token. They come from the forward that produced the
+            returned log-probs: the rescoring forward in "prefill" mode, the prefill and decode steps of
+            ``generate`` in "decode" mode; a continued request keeps each token's routing from its first segment.
+            MoE models run through HF ``generate`` (the continuous loop runs dense Llama-family models).
+    Raises: ValueError for an unknown dtype or logprob_mode, max_batch_size < 1, a path without a model, or
+        routed_experts for a model without MoE routers.
 
     With continuous batching, weights may also change between two decode steps of running requests (a
     ``load_weights`` without a pause): their open segments close there, so every token is tagged with the weights
@@ -162,6 +177,7 @@ class EmbeddedEngine:
         stop_token_ids: Sequence[int] | None = None,
         logprob_mode: Literal["prefill", "decode"] = "prefill",
         continuous: bool = True,
+        routed_experts: bool = False,
     ) -> None:
         from miles.core.precision import resolve_dtype
         from transformers import AutoModelForCausalLM
@@ -201,7 +217,13 @@ class EmbeddedEngine:
         self._interrupted: list[GenerateOutput] = []  # partial outputs of the batch a pause interrupted
         self._row_abort: RowAbort | None = None  # the running batch's per-row abort criterion
         self._released: list[tuple[torch.nn.Parameter, torch.Size]] | None = None  # shapes while released
-        self.continuous = continuous and decode.supports(self.model)
+        self.routing = routing_layout(self.model) if routed_experts else None
+        if routed_experts and self.routing is None:
+            raise ValueError(
+                f"engine.routed_experts is true but the model at {model_path} has no MoE router to record; "
+                "drop --engine.routed-experts for a dense model"
+            )
+        self.continuous = continuous and decode.supports(self.model) and self.routing is None
         self._cache: decode.SlotKVCache | None = None  # the continuous loop's, while its worker runs
         # Requests started together (a model.generate call; with continuous batching, a prefill wave), newest last,
         # and with continuous batching the rows of each decode step.
@@ -488,8 +510,8 @@ class EmbeddedEngine:
             retract = self._pause_mode == "retract"  # an "abort" finish means a pause interrupted the batch
         finished: list[tuple[_Job, FinishReason]] = []
         retracted: list[_Job] = []
-        for job, (tokens, log_probs, finish_reason) in zip(batch, segments):
-            job.add_segment(tokens, log_probs, version)
+        for job, (tokens, log_probs, finish_reason, routed) in zip(batch, segments):
+            job.add_segment(tokens, log_probs, version, routed)
             if finish_reason == "abort" and retract and not job.aborted:
                 retracted.append(job)
             else:
@@ -685,12 +707,14 @@ class EmbeddedEngine:
         generators: list[torch.Generator],
         *,
         row_abort: RowAbort | None = None,
-    ) -> list[tuple[list[int], list[float], FinishReason]]:
+    ) -> list[tuple[list[int], list[float], FinishReason, np.ndarray | None]]:
         """One ``model.generate`` over left-padded prompts; row b samples with ``generators[b]``.
 
         Decoding stops early, for every row, once ``_interrupt`` is set, and for a single row once ``row_abort``
-        flags it. Returns per row (response tokens, log-probs, finish reason): "stop" (stop token kept), "length"
-        (``max_new_tokens``), or "abort" (cut off by the interrupt or the row's abort).
+        flags it. Returns per row (response tokens, log-probs, finish reason, routing): "stop" (stop token kept),
+        "length" (``max_new_tokens``), or "abort" (cut off by the interrupt or the row's abort); routing is
+        [prompt + response tokens, num_layers, top_k] int32 when the engine records it (``routed_experts``), else
+        None.
         """
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
@@ -716,31 +740,40 @@ class EmbeddedEngine:
         if row_abort is not None:
             row_abort.prompt_width = max_len
             criteria.append(row_abort)
-        out = self.model.generate(
-            input_ids=input_ids.to(self.model.device),
-            attention_mask=attention_mask.to(self.model.device),
-            generation_config=config,
-            logits_processor=LogitsProcessorList([RowSampler(sampling, generators)]),
-            stopping_criteria=StoppingCriteriaList(criteria),
-        )
+        recorder = RoutingRecorder(self.routing) if self.routing is not None else None
+        with recorder or contextlib.nullcontext():
+            out = self.model.generate(
+                input_ids=input_ids.to(self.model.device),
+                attention_mask=attention_mask.to(self.model.device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([RowSampler(sampling, generators)]),
+                stopping_criteria=StoppingCriteriaList(criteria),
+            )
+        decode_calls = recorder.take() if recorder is not None else []
         new_tokens = out.sequences[:, max_len:].cpu()  # [B, S]
         stop = torch.isin(new_tokens, torch.tensor(self.stop_token_ids))
         lengths = [int(hits[0]) + 1 if len(hits) else new_tokens.shape[1] for hits in (row.nonzero() for row in stop)]
         if row_abort is not None:  # an aborted row's later columns are padding (the pad id is a stop id)
             lengths = [min(n, row_abort.cut.get(b, n)) for b, n in enumerate(lengths)]
+        responses = [new_tokens[b, :n].tolist() for b, n in enumerate(lengths)]
+        routed: list[np.ndarray | None] = [None] * len(prompts)
         if self.logprob_mode == "decode":
             logits = torch.stack(out.logits, dim=1).float().cpu() / sampling.temperature  # [B, S, V], unprocessed
             log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
+            if recorder is not None:
+                routed = _decode_routing(decode_calls, prompts, lengths, max_len)
         else:
-            responses = [new_tokens[b, :n].tolist() for b, n in enumerate(lengths)]
-            log_probs = self.score(prompts, responses, temperature=sampling.temperature)
-        results: list[tuple[list[int], list[float], FinishReason]] = []
+            with RoutingRecorder(self.routing) if self.routing is not None else contextlib.nullcontext() as rescoring:
+                log_probs = self.score(prompts, responses, temperature=sampling.temperature)
+            if rescoring is not None:
+                routed = _score_routing(rescoring.take(), prompts, responses)
+        results: list[tuple[list[int], list[float], FinishReason, np.ndarray | None]] = []
         for b, length in enumerate(lengths):
             if bool(stop[b, length - 1]):
                 finish: FinishReason = "stop"
             else:
                 finish = "length" if length == sampling.max_new_tokens else "abort"
-            results.append((new_tokens[b, :length].tolist(), log_probs[b, :length].tolist(), finish))
+            results.append((new_tokens[b, :length].tolist(), log_probs[b, :length].tolist(), finish, routed[b]))
         return results
 
     @torch.no_grad()
@@ -767,6 +800,43 @@ class EmbeddedEngine:
         )
         lengths = torch.tensor([len(r) for r in responses])
         return log_probs.float().cpu() * (torch.arange(width)[None, :] < lengths[:, None])
+
+
+def _score_routing(calls: list[Tensor], prompts: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
+    """Per row, the routing ``score``'s one right-padded forward recorded: [len(prompt) + len(response), layers,
+    top_k] int32, the last token's -1 (it predicts past the sequence; SGLang does not route it either)."""
+    (call,) = calls
+    per_row = call.view(len(prompts), -1, *call.shape[1:])  # [B, seq_len, layers, top_k]
+    rows = []
+    for b, (prompt, response) in enumerate(zip(prompts, responses)):
+        row = per_row[b, : len(prompt) + len(response)].numpy().copy()
+        row[-1] = NOT_RECORDED
+        rows.append(row)
+    return rows
+
+
+def _decode_routing(calls: list[Tensor], prompts: list[list[int]], lengths: list[int], width: int) -> list[np.ndarray]:
+    """Per row, the routing ``generate`` recorded: the prefill call's ([B * width] tokens, left-padded rows) for the
+    prompt, then one decode call per fed-back token ([B] tokens each); [len(prompt) + length, layers, top_k] int32
+    with the last token's row -1 (never fed back); only the prompt's rows when nothing was sampled.
+
+    Raises: RuntimeError when the calls do not have that shape (a ``generate`` that prefills in chunks).
+    """
+    batch = len(prompts)
+    if not calls or calls[0].shape[0] != batch * width or any(c.shape[0] != batch for c in calls[1:]):
+        raise RuntimeError(
+            "routing recorder: generate's forwards were not one prefill of the padded prompts and one token per "
+            f"row per step ({[c.shape[0] for c in calls]} tokens for {batch} rows of {width})"
+        )
+    prefill = calls[0].view(batch, width, *calls[0].shape[1:])
+    steps = torch.stack(calls[1:], dim=1) if len(calls) > 1 else prefill[:, :0]  # [B, S - 1, layers, top_k]
+    rows = []
+    for b, (prompt, length) in enumerate(zip(prompts, lengths)):
+        row = prefill[b, width - len(prompt) :].numpy()
+        if length > 0:  # no response (aborted before sampling): the prompt alone, all of it fed
+            row = np.concatenate([row, steps[b, : length - 1].numpy(), np.full_like(row[:1], NOT_RECORDED)])
+        rows.append(row)
+    return rows
 
 
 def release_freed_memory() -> None:

@@ -311,7 +311,11 @@ def _embedded(cfg: EmbeddedEngineConfig, model_path: str | Path) -> LaunchedEngi
     from miles.sync import InProcessTransport, WeightSender
 
     engine = EmbeddedEngine(
-        model_path, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, logprob_mode=cfg.logprob_mode
+        model_path,
+        dtype=cfg.dtype,
+        max_batch_size=cfg.max_batch_size,
+        logprob_mode=cfg.logprob_mode,
+        routed_experts=cfg.routed_experts,
     )
     sender = WeightSender(InProcessTransport(engine.receiver), delta=cfg.delta_weights)
     description = f"embedded ({cfg.dtype}{', delta updates' if cfg.delta_weights else ''})"

@@ -23,6 +23,7 @@ from miles.core.algorithms.objective import (
 from miles.core.batch import TrainBatch, split_micro_batches
 from miles.core.log_probs import model_response_log_probs, packed_model_response_log_probs, warn_if_slow_bf16
 from miles.core.precision import torch_dtype
+from miles.core.routing_replay import replay_routing, token_routing
 from miles.core.varlen_attention import register_varlen_sdpa
 from miles.train.config import TrainConfig
 from miles.train.fsdp2.lora import (
@@ -162,18 +163,21 @@ class FSDP2Backend:
     def _log_probs(
         self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool, temperature: float | None = None
     ) -> tuple[Tensor, Tensor | None]:
-        log_probs_fn = (
-            packed_model_response_log_probs if self.train_cfg.batch_layout == "packed" else model_response_log_probs
-        )
-        return log_probs_fn(
-            model,
-            mb.tokens,
-            mb.attention_mask,
-            mb.prompt_lengths,
-            num_response_columns=mb.loss_mask.shape[1],
-            temperature=self.temperature if temperature is None else temperature,
-            with_entropy=with_entropy,
-        )
+        packed = self.train_cfg.batch_layout == "packed"
+        log_probs_fn = packed_model_response_log_probs if packed else model_response_log_probs
+        # R3: the policy (and its reference copy) routes each token to the experts the engine chose; a teacher is
+        # another model, so it routes itself.
+        replay = mb.routed_experts is not None and model is not self.teacher_model
+        with replay_routing(model, token_routing(mb, packed=packed) if replay else None):
+            return log_probs_fn(
+                model,
+                mb.tokens,
+                mb.attention_mask,
+                mb.prompt_lengths,
+                num_response_columns=mb.loss_mask.shape[1],
+                temperature=self.temperature if temperature is None else temperature,
+                with_entropy=with_entropy,
+            )
 
     @torch.no_grad()
     def forward(self, batch: TrainBatch, *, outputs: Collection[str]) -> TrainBatch:
