@@ -45,9 +45,25 @@ def test_routed_run_replays_the_engines_experts(moe_smollm2_dir, tmp_path, monke
     assert all(r["grad_norm"] > 0 for r in rows)
     # step 2 samples with the weights pushed after step 1; the replayed trainer agrees to fp32 rounding
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows), rows
+    assert all(r["samples/failed"] == 0 for r in rows)  # every answer carried routing of the right shape
 
 
 def test_routed_experts_with_a_dense_model_fails_in_one_line(tiny_smollm2_dir, tmp_path):
     cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES])
     with pytest.raises(ValueError, match="engine.routed_experts is true but the model at .* has no MoE router"):
         run(cfg, tmp_path)
+
+
+@pytest.mark.integration
+def test_routed_run_through_a_miles_serve_server_replays_its_experts(moe_smollm2_dir, tmp_path, monkeypatch):
+    """The same run with the engine a `miles serve` server Miles starts (SGLang's API: return_routed_experts, weights
+    pushed over gloo), read by the SGLang client."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "core"))
+    server = ["--engine.type", "sglang", "--engine.server", "miles", "--engine.num-servers", "1"]
+    cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(moe_smollm2_dir), *OVERRIDES, *server])
+    run(cfg, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows), rows
+    assert all(r["samples/failed"] == 0 for r in rows)  # every answer carried routing of the right shape

@@ -114,6 +114,12 @@ def test_sglang_sampling_params_map_to_miles_sampling(sampling_params, expected,
             id="context_length",
         ),  # fmt: skip
         pytest.param({"input_ids": [1], "rid": 5}, "rid must be a string", id="rid_not_a_string"),
+        pytest.param(
+            {"input_ids": [1], "return_routed_experts": True},
+            "return_routed_experts is true but this server records no routing; start miles serve with "
+            "--enable-return-routed-experts",
+            id="routing_not_recorded",
+        ),
     ],
 )
 def test_bad_generate_bodies_are_rejected_with_one_line_naming_the_field(body, message):
@@ -414,3 +420,28 @@ def test_release_memory_answers_503_until_resumed_and_weights_are_pushed_again(s
         assert answer.json()["output_ids"] == tokens, answer.text
         log_probs = [entry[0] for entry in answer.json()["meta_info"]["output_token_logprobs"]]
         assert log_probs == pytest.approx([-math.log(32)] * len(tokens), abs=1e-5), answer.text  # zero-filled: uniform
+
+
+@pytest.mark.integration
+def test_a_moe_server_returns_the_engines_routing_as_sglang_does(tmp_path):
+    """miles serve --enable-return-routed-experts on a tiny DeepSeek-V3, read by Miles' SGLang client: the routing
+    (and tokens, log-probs) of the in-process engine with the same seed."""
+    from miles.rollout.engines.sglang import SGLangEngine
+    from moe_models import EOS, save_moe_model
+
+    model_dir = save_moe_model("deepseek_v3", tmp_path / "moe")
+    server = start_server(model_dir, tmp_path, "--enable-return-routed-experts", "--stop-token-ids", str(EOS))
+    try:
+        client = SGLangEngine([server.url], stop_token_ids=[EOS], routed_experts_shape=(3, 2))
+        request = GenerateRequest([5, 9, 11, 3], SamplingConfig(max_new_tokens=6), seed=3)
+        output = asyncio.run(client.generate(request))
+        client.close()
+    finally:
+        server.stop()
+    reference = EmbeddedEngine(model_dir, stop_token_ids=[EOS], routed_experts=True)
+    (expected,) = reference.generate_batch([request])
+    reference.close()
+    assert output.response_tokens == expected.response_tokens
+    assert output.log_probs == pytest.approx(expected.log_probs, abs=1e-5)
+    assert output.routed_experts.shape == (4 + len(expected.response_tokens), 3, 2)
+    assert output.routed_experts.tolist() == expected.routed_experts.tolist()  # -1 rows included

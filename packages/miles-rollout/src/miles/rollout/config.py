@@ -441,23 +441,14 @@ class SGLangEngineConfig(_ServerEngineConfig):
     routed_experts: bool = Field(
         False,
         description="MoE routing replay (R3): every /generate asks for the experts each token was routed to "
-        "(return_routed_experts; the SGLang servers Miles starts get --enable-return-routed-experts), read as "
-        "[tokens, num_layers, top_k] with num_layers and top_k (num_experts_per_tok) from the model's config.json. "
-        "server sglang only (miles serve runs dense CPU models and reports none).",
+        "(return_routed_experts; the servers Miles starts, SGLang or miles serve, get --enable-return-routed-experts), "
+        "read as [tokens, num_layers, top_k] with num_layers and top_k (num_experts_per_tok) from the model's "
+        "config.json; the trainer replays them (R3).",
     )
     max_batch_size: int = Field(64, ge=1, description="miles serve: sequences per generate call.")
     logprob_mode: Literal["prefill", "decode"] = Field(
         "decode", description="miles serve: log-probs from the decode steps (as SGLang) or a prefill rescoring."
     )
-
-    @model_validator(mode="after")
-    def _check(self) -> SGLangEngineConfig:
-        if self.routed_experts and self.server == "miles" and not self.urls:
-            raise ValueError(
-                "engine.routed_experts is true but engine.server is 'miles': miles serve runs dense models and "
-                "reports no routed experts. Use --engine.server sglang (GPU) or drop --engine.routed-experts."
-            )
-        return self
 
 
 def check_engine_health_settings(engine: Any, *, execution_mode: str) -> None:

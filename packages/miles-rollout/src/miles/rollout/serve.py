@@ -2,6 +2,7 @@
 
     python -m miles.rollout.serve --model PATH [--host 127.0.0.1] [--port 30000] [--dtype fp32|bf16]
         [--max-batch-size N] [--logprob-mode prefill|decode] [--stop-token-ids ID ...] [--log-level info]
+        [--enable-return-routed-experts]
 
 One ``EmbeddedEngine`` answers the endpoints Miles (``SGLangEngine``, ``SGLangWeightSink``) and the sglang-router
 use, with SGLang's field names and semantics (SGLang's ``entrypoints/http_server.py`` and ``managers/io_struct.py``,
@@ -24,6 +25,8 @@ always "" (no tokenizer). Differences from SGLang, all deliberate:
   its manifest (a corrupt one loads nothing), and loads all tensors or none; the served ``model_path`` stays the
   one the server started with (SGLang's becomes the new one).
 - weight versions are integers in strings ("0", "1", ...): the engine's versions are ints.
+- ``return_routed_experts`` (with ``--enable-return-routed-experts``) sends the routing of the forward that gave
+  the log-probs (``EmbeddedEngine``'s ``routed_experts``), dense layers' ids as -1.
 
 Endpoints: ``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
 ``/get_load``, ``/generate``, ``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``,
@@ -221,11 +224,13 @@ async def generate(request: Request) -> Response:
     state = _state(request)
     started = time.perf_counter()
     try:
+        body = await _body(request)
         parsed, return_logprob = parse_generate_request(
-            await _body(request),
+            body,
             vocab_size=state.vocab_size,
             context_length=state.context_length,
             stop_token_ids=state.engine.stop_token_ids,
+            routed_experts=state.engine.routing is not None,
         )
         output = await state.engine.generate(parsed)
     except WeightsReleasedError as err:
@@ -237,7 +242,14 @@ async def generate(request: Request) -> Response:
         return _error(f"generation failed: {err!r}", 500)
     latency_s = time.perf_counter() - started
     state.num_generate_requests += 1
-    return JSONResponse(generate_response(output, parsed, return_logprob=return_logprob, latency_s=latency_s))
+    answer = generate_response(
+        output,
+        parsed,
+        return_logprob=return_logprob,
+        latency_s=latency_s,
+        return_routed_experts=bool(body.get("return_routed_experts")),
+    )
+    return JSONResponse(answer)
 
 
 @router.post("/abort_request")
@@ -572,6 +584,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--stop-token-ids", type=int, nargs="+", default=None, help="ids that end a response (default: the model's eos)"
     )
     parser.add_argument("--random-seed", type=int, default=None, help="seeds requests sent without a sampling_seed")
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="record each token's MoE experts (routing replay, R3) for /generate's return_routed_experts "
+        "(SGLang's flag)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser.parse_args(argv)
 
@@ -594,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batch_size=args.max_batch_size,
             stop_token_ids=args.stop_token_ids,
             logprob_mode=args.logprob_mode,
+            routed_experts=args.enable_return_routed_experts,
         )
     except ValueError as err:
         print(f"miles serve: {err}", file=sys.stderr)  # noqa: T201

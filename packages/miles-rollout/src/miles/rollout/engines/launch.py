@@ -567,6 +567,7 @@ def _server_command(cfg: SGLangEngineConfig, model_path: str | Path, port: int, 
             "--dtype", cfg.dtype,
             "--max-batch-size", str(cfg.max_batch_size),
             "--logprob-mode", cfg.logprob_mode,
+            *(["--enable-return-routed-experts"] if cfg.routed_experts else []),
             *cfg.extra_args,
         ]  # fmt: skip
         return command, f"miles serve {i}", "check the model path and the log above"

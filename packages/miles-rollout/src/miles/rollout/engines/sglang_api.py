@@ -34,7 +34,7 @@ GENERATE_NEUTRAL: dict[str, tuple[Any, ...] | None] = {
     "input_embeds": (None,), "image_data": (None,), "video_data": (None,), "audio_data": (None,),
     "logprob_start_len": (None, -1), "top_logprobs_num": (None, 0), "token_ids_logprob": (None,),
     "return_text_in_logprobs": (False,), "stream": (False, None), "return_hidden_states": (False,),
-    "return_routed_experts": (False,), "modalities": (None,), "session_params": (None,), "lora_path": (None,),
+    "modalities": (None,), "session_params": (None,), "lora_path": (None,),
     "lora_id": (None,), "custom_logit_processor": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
     "bootstrap_room": (None,), "data_parallel_rank": (None, 0), "routed_dp_rank": (None, 0), "extra_key": (None,),
     "cache_salt": (None,), "background": (False,), "return_entropy": (False,),
@@ -207,18 +207,29 @@ def parse_weight_version(value: Any) -> int:
 
 # -- server side: SGLang -> Miles -> SGLang --------------------------------------------------------
 def parse_generate_request(
-    body: Any, *, vocab_size: int, context_length: int, stop_token_ids: Sequence[int]
+    body: Any, *, vocab_size: int, context_length: int, stop_token_ids: Sequence[int], routed_experts: bool = False
 ) -> tuple[GenerateRequest, bool]:
     """A ``/generate`` body (one prompt of token ids) -> (request, return_logprob).
 
-    Fields miles serve does not implement are accepted only at their "not used" values (``GENERATE_NEUTRAL``).
+    Fields miles serve does not implement are accepted only at their "not used" values (``GENERATE_NEUTRAL``);
+    ``return_routed_experts`` true only when ``routed_experts`` (the server records routing: SGLang's
+    ``--enable-return-routed-experts``).
     Raises: ValueError in one line naming the field, the value and the fix.
     """
     if not isinstance(body, dict):
         raise ValueError("the /generate body must be a JSON object")
     if body.get("text") is not None:
         raise ValueError("text is not supported: miles serve is token-in-token-out; send input_ids")
-    _check_neutral(body, GENERATE_NEUTRAL, {"text", "input_ids", "sampling_params", "return_logprob", "rid"}, "")
+    known = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "return_routed_experts"}
+    _check_neutral(body, GENERATE_NEUTRAL, known, "")
+    return_routed = body.get("return_routed_experts") or False
+    if not isinstance(return_routed, bool):
+        raise ValueError(f"return_routed_experts must be true or false, got {return_routed!r}")
+    if return_routed and not routed_experts:
+        raise ValueError(
+            "return_routed_experts is true but this server records no routing; start miles serve with "
+            "--enable-return-routed-experts (an MoE model)"
+        )
     input_ids = body.get("input_ids")
     if not isinstance(input_ids, list) or not input_ids:
         raise ValueError("input_ids must be a non-empty list of token ids")
@@ -288,10 +299,17 @@ def parse_sampling_params(
 
 
 def generate_response(
-    output: GenerateOutput, request: GenerateRequest, *, return_logprob: bool, latency_s: float
+    output: GenerateOutput,
+    request: GenerateRequest,
+    *,
+    return_logprob: bool,
+    latency_s: float,
+    return_routed_experts: bool = False,
 ) -> dict[str, Any]:
     """SGLang's ``/generate`` answer for one finished request; a non-finite log-prob becomes null (as orjson
-    writes it), which ``parse_generate_response`` rejects."""
+    writes it), which ``parse_generate_response`` rejects. With ``return_routed_experts``, ``meta_info.routed_experts``
+    as SGLang sends it (the inverse of ``decode_routed_experts``): base64 of the little-endian int32 expert ids of
+    every token but the last, ``[tokens - 1, layers, top_k]`` (-1 for dense layers)."""
     finish: dict[str, Any] = {"type": output.finish_reason}
     if output.finish_reason == "stop":
         finish["matched"] = output.response_tokens[-1]
@@ -313,6 +331,10 @@ def generate_response(
     }
     if output.segment_lengths is not None:
         meta["miles_segment_lengths"] = list(output.segment_lengths)
+    if return_routed_experts:
+        num_tokens = len(request.prompt_tokens) + len(output.response_tokens)
+        routed = np.asarray(output.routed_experts, dtype="<i4")[: num_tokens - 1]
+        meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
     if return_logprob:
         meta["output_token_logprobs"] = [
             [lp if math.isfinite(lp) else None, token, None]
