@@ -4,6 +4,7 @@ log-probs equal the trainer's), the KL reference is the adapter-disabled policy,
 import json
 from pathlib import Path
 
+import pytest
 from miles.recipes.cli import resolve_config
 from miles.recipes.run import run
 
@@ -30,15 +31,17 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_lora_run_trains_adapters_the_engine_follows_and_resume_is_exact(tiny_smollm2_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_lora_run_trains_adapters_the_engine_follows_and_resume_is_exact(tiny_smollm2_dir, tmp_path, monkeypatch, sync):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "core"))
-    cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES])
+    overrides = [*OVERRIDES, "--train.lora.sync", sync]
+    cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), *overrides])
     assert cfg.train.lora.rank == 4 and cfg.train.lora.target_modules == ["q_proj", "v_proj"]
     run(cfg, tmp_path / "whole")
     rows = [r for r in _rows(tmp_path / "whole") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    # Steps 2 and 3 sample with the weights pushed after steps 1 and 2 (merged adapters): engine and trainer agree
-    # to fp32 rounding (a push of the base alone would leave ~grad-step-sized differences).
+    # Steps 2 and 3 sample with the weights pushed after steps 1 and 2 (merged, or adapters the engine applies):
+    # engine and trainer agree to fp32 rounding (a push of the base alone would leave ~grad-step-sized differences).
     assert all(r["grad_norm"] > 0 for r in rows)  # the adapters train
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows), rows
     assert rows[-1]["loss/kl"] > 0  # the reference (adapters off) differs from the trained policy
@@ -48,7 +51,7 @@ def test_lora_run_trains_adapters_the_engine_follows_and_resume_is_exact(tiny_sm
 
     # Stop after step 2, resume: step 3 equals the uninterrupted run's.
     cut = resolve_config(
-        "smollm2_grpo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES, "--loop.num-steps", "2"]
+        "smollm2_grpo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), *overrides, "--loop.num-steps", "2"]
     )
     run(cut, tmp_path / "cut")
     run(cfg, tmp_path / "cut", resume_from=tmp_path / "cut" / "checkpoints" / "step_2")
@@ -56,3 +59,12 @@ def test_lora_run_trains_adapters_the_engine_follows_and_resume_is_exact(tiny_sm
     assert resumed[-1]["step"] == 3
     for key in ("loss", "grad_norm", "reward/mean", "loss/kl"):
         assert resumed[-1][key] == rows[-1][key], key
+
+
+def test_adapter_sync_with_a_server_engine_is_refused_in_one_line(tiny_smollm2_dir):
+    with pytest.raises(ValueError, match="train.lora.sync is 'adapter' but engine.type is 'vllm'"):
+        resolve_config(
+            "smollm2_grpo_arithmetic",
+            ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES, "--train.lora.sync", "adapter",
+             "--engine.type", "vllm"],
+        )  # fmt: skip

@@ -128,6 +128,13 @@ class MilesConfig(BaseModel):
                 )
         self._check_execution()
         self._check_loop()
+        lora = self.train.lora
+        if lora is not None and lora.sync == "adapter" and self.engine.type != "embedded":
+            raise ValueError(
+                f"train.lora.sync is 'adapter' but engine.type is {self.engine.type!r}: only the embedded engine "
+                "applies pushed adapters so far (vLLM / SGLang LoRA loading is not built). Set --train.lora.sync "
+                "merged (every engine), or --engine.type embedded."
+            )
         for i in range(len(self.eval.sets)):
             eval_set_data(self, i)  # each named eval set's data section validates
         return self

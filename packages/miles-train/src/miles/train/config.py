@@ -11,7 +11,7 @@ LLAMA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 
 class LoraConfig(BaseModel):
-    """LoRA adapters on the policy (peft): only the adapters train; the engines get merged weights.
+    """LoRA adapters on the policy (peft): only the adapters train; the engines get merged weights or the adapters.
 
     W' = W + (alpha / r) B A (rsLoRA: alpha / sqrt(r)), A [r, in] Kaiming-uniform, B [out, r] zeros, so training
     starts from the base model exactly (Hu et al. 2021, arXiv:2106.09685; Kalajdzievski 2023, arXiv:2312.03732).
@@ -31,6 +31,12 @@ class LoraConfig(BaseModel):
     use_rslora: bool = Field(False, description="Rank-stabilized scaling alpha / sqrt(r) instead of alpha / r.")
     init_seed: int = Field(
         0, description="Seed of the A matrices' initialization (the same on every rank and every run of a config)."
+    )
+    sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="What weight pushes send. merged: W + scale * B A for targeted weights, the rest as loaded (any "
+        "engine). adapter: only A and scale * B; the engine keeps its base weights and applies the adapters "
+        "(embedded engine only for now): ~rank / hidden of the bytes.",
     )
 
 

@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 from collections import deque
@@ -31,7 +32,7 @@ from miles.core.config import SamplingConfig
 from miles.core.log_probs import model_response_log_probs, warn_if_slow_bf16
 from miles.core.protocols import FinishReason, GenerateOutput, GenerateRequest, PauseMode
 from miles.core.routing_replay import NOT_RECORDED, RoutingRecorder, merge_routing, pad_routing, routing_layout
-from miles.rollout.engines import decode
+from miles.rollout.engines import adapters, decode
 from miles.sync import WeightReceiver
 from torch import Tensor
 
@@ -382,14 +383,27 @@ class EmbeddedEngine:
         """Copy (name, tensor) pairs into the model's parameters/buffers, casting to the engine dtype; waits for
         a running batch to end first.
 
-        Raises: KeyError naming the first unknown tensor name; ValueError on a shape mismatch;
-            WeightsReleasedError while the weights are released.
+        An update of LoRA adapter tensors (``...lora_A.default.weight``, ``...lora_B.default.weight``: the trainer's
+        ``train.lora.sync adapter``) is loaded as adapters the engine applies on top of its base weights
+        (``miles.rollout.engines.adapters``); it must hold every adapter and nothing else. HF names of the base
+        weights keep working after adapters are added.
+
+        Raises: KeyError naming the first unknown tensor name; ValueError on a shape mismatch or a bad adapter
+            update; WeightsReleasedError while the weights are released.
         """
         with self._model_lock, torch.no_grad():
             if self._released is not None:
                 raise WeightsReleasedError("cannot load weights while they are released; call resume_weights first")
+            named_tensors = iter(named_tensors)
+            first = next(named_tensors, None)
+            if first is None:
+                return
+            if adapters.is_adapter_name(first[0]):  # adapter updates are small: taken whole, checked, then loaded
+                adapters.load_adapters(self.model, [first, *named_tensors])
+                return
             state = self.model.state_dict()
-            for name, tensor in named_tensors:
+            for name, tensor in itertools.chain([first], named_tensors):
+                name = adapters.base_name(state, name)
                 if name not in state:
                     raise KeyError(f"weight update names {name!r}, which the engine model does not have")
                 target = state[name]

@@ -29,6 +29,7 @@ from miles.train.config import TrainConfig
 from miles.train.fsdp2.lora import (
     adapter_dropout,
     adapter_state,
+    adapter_weights,
     adapters_disabled,
     apply_lora,
     load_adapters,
@@ -315,8 +316,13 @@ class FSDP2Backend:
         for name, tensor in self.model.state_dict(keep_vars=True).items():
             unique.setdefault(id(tensor), (name, tensor))
         named = list(unique.values())
-        # LoRA: the merged weights (W + scale * B A; the engines hold no adapters), other tensors as held
-        stream = merged_weights(self.model, named) if self.train_cfg.lora is not None else _gathered(named)
+        lora = self.train_cfg.lora
+        if lora is None:
+            stream = _gathered(named)
+        elif lora.sync == "adapter":  # the engines apply the adapters: A and scale * B only, the base stays theirs
+            stream = adapter_weights(self.model, named)
+        else:  # the merged weights (W + scale * B A; the engines hold no adapters), other tensors as held
+            stream = merged_weights(self.model, named)
         if self.world_size == 1:  # a 1-rank mesh (bf16's mixed-precision wrapper) gathers nothing
             return list(stream)
         return stream

@@ -1,4 +1,4 @@
-"""LoRA adapters on the policy (peft), merged for the engines and saved alone for the checkpoint.
+"""LoRA adapters on the policy (peft), sent to the engines merged or alone, and saved alone for the checkpoint.
 
 The adapters are injected into the HF model in place (``peft.inject_adapter_in_model``: each targeted
 ``nn.Linear`` becomes a ``peft.tuners.lora.Linear`` holding the original as ``base_layer``), so the model keeps its
@@ -7,7 +7,8 @@ class, ``model.model.layers`` (what FSDP2 shards) and call signature. Names in i
 
 Merged weight (what the engines get and ``model/`` holds): ``W' = W + scaling * B @ A`` with
 ``scaling = alpha / r`` (rsLoRA ``alpha / sqrt(r)``), computed in fp32 from the full tensors; every other tensor is
-sent exactly as held (the untouched base). Hu et al. 2021 (arXiv:2106.09685).
+sent exactly as held (the untouched base). With ``train.lora.sync adapter`` the engines apply the adapters
+themselves and get only A and scaling * B (``adapter_weights``). Hu et al. 2021 (arXiv:2106.09685).
 """
 
 from __future__ import annotations
@@ -138,6 +139,27 @@ def merged_weights(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -> Ite
             with torch.no_grad():
                 full = full + ((b.float() @ a.float()) * layer.scaling[ADAPTER]).to(full.dtype)
         yield f"{prefix}.{suffix}", full
+
+
+def adapter_weights(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """(name, full tensor) pairs of the adapters for an engine that applies them itself (``train.lora.sync
+    adapter``): A [r, in] as held, B [out, r] times the layer's scaling (alpha / r, rsLoRA alpha / sqrt(r)) in
+    fp32, so the engine applies ``W x + B' A x`` with scaling 1 and the scaling is applied exactly once. Names are
+    the model's (``<module>.lora_A.default.weight``). Collective on a sharded model, like ``merged_weights``.
+
+    Args:
+        named: ``model``'s state-dict items (possibly sharded); only the adapter tensors are read.
+    """
+    layers = adapter_layers(model)
+    for name, tensor in named:
+        if ".lora_" not in name:
+            continue
+        full = _full(tensor)
+        if f".lora_B.{ADAPTER}." in name:
+            prefix = name.split(".lora_B.", 1)[0]
+            with torch.no_grad():
+                full = full.float() * layers[prefix].scaling[ADAPTER]
+        yield name, full
 
 
 def merge_state(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
