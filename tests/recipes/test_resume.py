@@ -4,6 +4,7 @@ trains each prompt once; `miles export`."""
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,13 @@ def _async_run(data_file, checkpoints, *, num_steps, resume, stop_after=None):
         ]  # fmt: skip
 
     def save(step):
+        if step == stop_after:
+            # The case under test needs prompts generated ahead at the checkpoint: give the producer (its own
+            # thread) time to draw them. Regression: on a loaded machine it sometimes had drawn none yet, and the
+            # test's precondition failed (`untrained` empty), though the run itself was right.
+            deadline = time.monotonic() + 30
+            while queue.num_untrained == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
         save_run_checkpoint(checkpoints, step, backend=backend, data_source=queue, weight_version=pusher.version)
 
     steps = {"done": start}
@@ -244,8 +252,10 @@ def _async_run(data_file, checkpoints, *, num_steps, resume, stop_after=None):
 
 
 def test_a_resumed_async_run_neither_skips_nor_repeats_prompts_that_sat_in_the_buffer(tmp_path):
+    # 80 rows for 60 trained prompts: the 30 steps draw at most 60 + what the bound lets the producer run ahead,
+    # all within epoch 0, so a row's data index names one prompt.
     data_file = tmp_path / "rows.jsonl"
-    data_file.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(60)))
+    data_file.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(80)))
     first, done, _ = _async_run(data_file, tmp_path / "split", num_steps=30, resume=False, stop_after=13)
     assert done == 13 and len(first.rows) == 26
     state = json.loads((tmp_path / "split" / "step_13" / "run_state.json").read_text())
@@ -254,4 +264,13 @@ def test_a_resumed_async_run_neither_skips_nor_repeats_prompts_that_sat_in_the_b
     second, done, pusher = _async_run(data_file, tmp_path / "split", num_steps=30, resume=True)
     assert done == 30 and pusher.version == 30  # the weight version continues from the checkpoint's 13
     assert len(second.rows) == 34
-    assert sorted(first.rows + second.rows) == list(range(60))  # one epoch: every row trained exactly once
+    trained = first.rows + second.rows
+    assert len(set(trained)) == 60  # nothing trained twice
+    # nothing skipped: every prompt drawn was trained or is still untrained (in flight when the run ended; groups
+    # finish out of order, so the last steps may train a later prompt first). Regression: with one epoch of 60
+    # rows, a later epoch's row trained ahead of an in-flight one looked like a repeat on a loaded machine.
+    end = second.state_dict()
+    assert end["source"]["epoch"] == 0
+    drawn = second.source._order[: end["source"]["position"]]
+    in_flight = [p["metadata"]["data_index"] for p in end["untrained"]]
+    assert sorted(trained + in_flight) == sorted(drawn), (first.rows, second.rows, in_flight)

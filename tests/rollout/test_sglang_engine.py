@@ -382,7 +382,9 @@ def test_pause_keep_lets_running_requests_finish_and_holds_the_rest_until_resume
     requests = [GenerateRequest([1, 7], sampling, seed=s) for s in range(3)]
     late = GenerateRequest([1, 8], sampling, seed=5)
     expected = reference.generate_batch([*requests, late])
-    slow_down(server, 0.05)
+    # 0.2 s per forward: the three requests run together for ~1 s, long enough for the 10 ms load poll to see it on
+    # a loaded machine (regression: with 0.05 s they once all finished unseen and the poll timed out)
+    slow_down(server, 0.2)
 
     async def run():
         tasks = [asyncio.ensure_future(client.generate(r)) for r in requests]
