@@ -30,17 +30,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
 
     Raises: ValueError (one line naming ``train.lora.target_modules``) when no module of the model matches.
     """
-    from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
-    peft_cfg = PeftLoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
-        use_rslora=cfg.use_rslora,
-        bias="none",
-    )
+    peft_cfg = _peft_config(cfg)
     try:
         # A is drawn from the global RNG: seeded here so every rank and every run (a resumed one too) start alike,
         # without moving the run's own RNG stream
@@ -71,6 +63,27 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
         layer.lora_dropout.eval()  # dropout only inside ``adapter_dropout`` (the training forward)
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
+
+
+def _peft_config(cfg: LoraConfig, **extra):
+    """peft's ``LoraConfig`` for ``cfg`` (``extra``: fields only a saved config carries)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        use_rslora=cfg.use_rslora,
+        bias="none",
+        **extra,
+    )
+
+
+def _merged(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
+    """``W + scaling * B @ A``, the product in fp32, in ``W``'s dtype."""
+    with torch.no_grad():
+        return weight + ((b.float() @ a.float()) * scaling).to(weight.dtype)
 
 
 def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -136,8 +149,7 @@ def merged_weights(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -> Ite
         if suffix == "weight":
             layer = layers[prefix]
             a, b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
-            with torch.no_grad():
-                full = full + ((b.float() @ a.float()) * layer.scaling[ADAPTER]).to(full.dtype)
+            full = _merged(full, a, b, layer.scaling[ADAPTER])
         yield f"{prefix}.{suffix}", full
 
 
@@ -177,7 +189,7 @@ def merge_state(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]
         prefix, suffix = name.split(_BASE, 1)
         if suffix == "weight":
             a, b = state[f"{prefix}.lora_A.{ADAPTER}.weight"], state[f"{prefix}.lora_B.{ADAPTER}.weight"]
-            tensor = tensor + ((b.float() @ a.float()) * scalings[prefix]).to(tensor.dtype)
+            tensor = _merged(tensor, a, b, scalings[prefix])
         merged[f"{prefix}.{suffix}"] = tensor
     return merged
 
@@ -247,15 +259,4 @@ def load_adapters(model: nn.Module, optimizer: torch.optim.Optimizer, path, opti
 def write_peft_config(cfg: LoraConfig, base_model_path: str, directory) -> None:
     """Write peft's ``adapter_config.json`` for ``cfg`` into ``directory`` (what ``PeftModel.from_pretrained``
     reads beside ``adapter_model.safetensors``)."""
-    from peft import LoraConfig as PeftLoraConfig
-
-    PeftLoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
-        use_rslora=cfg.use_rslora,
-        bias="none",
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=base_model_path,
-    ).save_pretrained(str(directory))
+    _peft_config(cfg, task_type="CAUSAL_LM", base_model_name_or_path=base_model_path).save_pretrained(str(directory))
