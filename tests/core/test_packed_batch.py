@@ -174,9 +174,13 @@ def test_build_train_batch_right_pads_routed_experts_with_minus_one_and_slices_t
     assert batch.replace(routed_experts=None).routed_experts is None
 
 
-def test_routed_experts_are_none_unless_every_sample_has_them():
-    samples = [_sample(0, [1], [2], rollout_routed_experts=_experts(2, 0)), _sample(1, [1], [2])]
-    assert build_train_batch(samples, torch.ones(2), pad_token_id=0).routed_experts is None
+def test_a_sample_without_routed_experts_gets_unrecorded_rows_and_none_have_none():
+    # Regression: one failed sample (no routing) made the whole batch's routing None, silently turning replay off
+    samples = [_sample(0, [1], [2], rollout_routed_experts=_experts(2, 0)), _sample(1, [1], [2, 3])]
+    routed = build_train_batch(samples, torch.ones(2), pad_token_id=0).routed_experts
+    assert routed.shape == (2, 3, 2, 1)
+    assert routed[0, :2, :, 0].tolist() == [[0, 1], [10, 11]] and (routed[1] == -1).all()
+    assert build_train_batch([_sample(1, [1], [2])], torch.ones(1), pad_token_id=0).routed_experts is None
 
 
 def test_routed_experts_of_the_wrong_length_are_a_clear_error():

@@ -169,3 +169,12 @@ def test_merge_keeps_what_an_earlier_turn_recorded_and_pads_unrouted_tokens():
     assert pad_routing(earlier, 5)[:, 0, 0].tolist() == [4, 5, -1, -1, -1]
     with pytest.raises(ValueError, match="must cover at least the earlier tokens"):
         merge_routing(later, earlier)
+
+
+def test_expert_ids_outside_the_models_range_are_refused_on_entering():
+    model = make_moe_model("qwen3_moe")
+    _, routed = _record(model)
+    routed[3, 1, 0] = 8  # 8 experts: ids 0-7
+    with pytest.raises(ValueError, match=r"span \[-1, 8\], but the model's routers have 8 experts"):
+        with replay_routing(model, routed):
+            pass

@@ -53,3 +53,24 @@ def test_without_the_switch_nothing_is_recorded(moe_dir):
     (output,) = engine.generate_batch([GenerateRequest(PROMPTS[0], SAMPLING, seed=0)])
     engine.close()
     assert output.routed_experts is None
+
+
+def test_a_request_aborted_before_it_ran_reports_unrecorded_routing(moe_dir):
+    # Regression (review): its routing was None, which miles serve could not encode (a 500) and which turned replay
+    # off for its whole batch
+    import asyncio
+
+    engine = EmbeddedEngine(moe_dir, stop_token_ids=[EOS], routed_experts=True)
+    engine.pause_now("keep")
+
+    async def run():
+        request = GenerateRequest(PROMPTS[0], SAMPLING, seed=0, request_id="held")
+        task = asyncio.ensure_future(engine.generate(request))
+        await asyncio.sleep(0.05)
+        assert engine.abort("held") == 1
+        return await task
+
+    output = asyncio.run(run())
+    engine.close()
+    assert output.finish_reason == "abort" and output.response_tokens == []
+    assert output.routed_experts.shape == (len(PROMPTS[0]), 3, 2) and (output.routed_experts == -1).all()

@@ -109,6 +109,9 @@ def test_routed_experts_are_asked_for_and_decoded_one_block_per_token_the_last_o
     assert routed[0].tolist() == [[0, 1], [2, 3]] and routed[3].tolist() == [[12, 13], [14, 15]]
     assert routed[4].tolist() == [[-1, -1], [-1, -1]]  # the last token: no routing recorded
     assert parse_generate_response(body, request).routed_experts is None  # not asked: not read
+    unscheduled = answer([], [], "abort")  # aborted before it ran: no routing sent, none recorded
+    routed = parse_generate_response(unscheduled, request, routed_experts_shape=(2, 2)).routed_experts
+    assert routed.shape == (3, 2, 2) and (routed == -1).all()
 
     for bad, message in [
         (None, "no meta_info.routed_experts string.*--enable-return-routed-experts"),

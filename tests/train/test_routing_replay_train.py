@@ -105,3 +105,13 @@ def test_training_with_replay_moves_the_routers(moe_dir, rollout):
     train_step(backend, batch, OBJECTIVE)
     after = dict(backend.model.named_parameters())
     assert before and all(not torch.equal(before[n], after[n].detach()) for n in before)
+
+
+def test_a_reference_of_another_architecture_routes_itself(moe_dir, rollout, tiny_llama_dir):
+    # Regression (review): a dense reference model got the policy's routing and its forward raised
+    backend = FSDP2Backend(
+        moe_dir, train=TrainConfig(micro_batch_size=4), temperature=1.0, reference_path=tiny_llama_dir
+    )
+    batch = backend.forward(_batch(rollout), outputs={"ref_log_probs", "old_log_probs"})
+    assert torch.isfinite(batch.ref_log_probs).all()
+    assert backend._replays(backend.model) and not backend._replays(backend.ref_model)

@@ -182,14 +182,22 @@ def build_train_batch(
 def _routed_experts(samples: Sequence[Sample], seq_len: int) -> Tensor | None:
     """[B, seq_len, num_layers, top_k] int32 from each sample's [len(tokens), num_layers, top_k] ids, -1 padded.
 
-    None unless every sample has ``rollout_routed_experts`` (replay needs all rows or none).
+    None when no sample has ``rollout_routed_experts``. A sample without them (failed or aborted before its engine
+    answered: an untrained row) gets -1 rows, where the trainer's router decides, so one failure does not turn
+    replay off for the rest of the batch.
     Raises: ValueError if a sample's array is not [len(tokens), num_layers, top_k] with the batch's num_layers, top_k.
     """
-    if any(s.rollout_routed_experts is None for s in samples):
+    recorded = [s for s in samples if s.rollout_routed_experts is not None]
+    if not recorded:
         return None
     # int32: expert ids are small, and this is num_layers * top_k ints per token (e.g. 48 * 8), the batch's largest.
-    per_sample = [torch.as_tensor(s.rollout_routed_experts).to(torch.int32) for s in samples]
-    trailing = per_sample[0].shape[1:]
+    trailing = torch.as_tensor(recorded[0].rollout_routed_experts).shape[1:]
+    per_sample = [
+        torch.full((len(s.tokens), *trailing), -1, dtype=torch.int32)
+        if s.rollout_routed_experts is None
+        else torch.as_tensor(s.rollout_routed_experts).to(torch.int32)
+        for s in samples
+    ]
     for sample, experts in zip(samples, per_sample):
         if experts.dim() != 3 or experts.shape[0] != len(sample.tokens) or experts.shape[1:] != trailing:
             raise ValueError(

@@ -130,7 +130,7 @@ class RoutingRecorder:
 
     def _hook(self, layer: int):
         def record(module: torch.nn.Module, args: tuple, output: tuple) -> None:
-            self._calls[layer].append(output[2].detach().to(torch.int32).cpu())
+            self._calls[layer].append(output[2].detach())  # to the host in take(): no sync per layer and step
 
         return record
 
@@ -147,7 +147,7 @@ class RoutingRecorder:
             first = next(iter(self._calls.values()))[i]
             routed = torch.full((first.shape[0], *self.layout.shape), NOT_RECORDED, dtype=torch.int32)
             for layer, calls in self._calls.items():
-                routed[:, layer] = calls[i]
+                routed[:, layer] = calls[i].to(device="cpu", dtype=torch.int32)
             taken.append(routed)
         for calls in self._calls.values():
             calls.clear()
@@ -165,7 +165,8 @@ def replay_routing(model: torch.nn.Module, routed: Tensor | None) -> Iterator[No
         model: an HF causal LM (or an FSDP2-sharded one; the hooks sit on the router modules).
         routed: [T, num_layers, top_k] int expert ids, T = the tokens of each forward in the order its routers see
             them (row-major [batch, seq]: a padded batch flattened, or the packed row); None replays nothing.
-    Raises: ValueError (at the forward) when a forward's token count is not T, or the model has no MoE router.
+    Raises: ValueError on entering when the model has no MoE router or ``routed`` has another [layers, top_k] or
+        an expert id outside [-1, num_experts); at the forward when its token count is not T.
     """
     if routed is None:
         yield
@@ -177,6 +178,14 @@ def replay_routing(model: torch.nn.Module, routed: Tensor | None) -> Iterator[No
         raise ValueError(
             f"routing replay: routed experts have shape {tuple(routed.shape)}, expected [tokens, num_layers, top_k] "
             f"with (num_layers, top_k) = {layout.shape} from the model's config"
+        )
+
+    num_experts = {int(getattr(router, "num_experts", 0)) for router in layout.routers.values()}
+    low, high = int(routed.min()), int(routed.max())  # one host sync per replayed forward
+    if low < NOT_RECORDED or (num_experts and high >= min(num_experts)):
+        raise ValueError(
+            f"routing replay: routed expert ids span [{low}, {high}], but the model's routers have "
+            f"{min(num_experts)} experts (and -1 means unrecorded); was the routing recorded with this model?"
         )
 
     def hook_for(layer: int):

@@ -266,7 +266,7 @@ class EmbeddedEngineConfig(_Section):
         False,
         description="MoE routing replay (R3): record the experts every router chose for each token (from the forward "
         "that gave the log-probs) and have the trainer route each token to them, gating weights from its live "
-        "router logits. Needs an MoE model (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5, GLM-5).",
+        "router logits. Needs an MoE model (Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5, GLM-5).",
     )
     delta_weights: bool = _delta_weights_field()
     probe: ProbeConfig = _probe_field()

@@ -255,6 +255,8 @@ class EmbeddedEngine:
             seed = request.seed if request.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
             job = _Job(request, concurrent.futures.Future(), generator)
+            if self.routing is not None:  # unrecorded (-1) until a forward routes it: an abort before that has rows too
+                job.routed = np.full((len(request.prompt_tokens), *self.routing.shape), NOT_RECORDED, dtype=np.int32)
             self._incoming.append(job)
         asyncio.get_running_loop().call_soon(self._release)  # after the other submissions of this turn
         return await asyncio.wrap_future(job.future)
@@ -754,7 +756,8 @@ class EmbeddedEngine:
         if row_abort is not None:
             row_abort.prompt_width = max_len
             criteria.append(row_abort)
-        recorder = RoutingRecorder(self.routing) if self.routing is not None else None
+        # decode mode: the routing of generate's own forwards (prefill mode records the rescoring forward below)
+        recorder = RoutingRecorder(self.routing) if self.routing is not None and self.logprob_mode == "decode" else None
         with recorder or contextlib.nullcontext():
             out = self.model.generate(
                 input_ids=input_ids.to(self.model.device),
@@ -847,7 +850,7 @@ def _decode_routing(calls: list[Tensor], prompts: list[list[int]], lengths: list
     rows = []
     for b, (prompt, length) in enumerate(zip(prompts, lengths)):
         row = prefill[b, width - len(prompt) :].numpy()
-        if length > 0:  # no response (aborted before sampling): the prompt alone, all of it fed
+        if length > 0:  # (generate samples at least one token; kept for safety) the prompt alone, all of it fed
             row = np.concatenate([row, steps[b, : length - 1].numpy(), np.full_like(row[:1], NOT_RECORDED)])
         rows.append(row)
     return rows

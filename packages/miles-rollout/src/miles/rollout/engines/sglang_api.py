@@ -170,7 +170,10 @@ def parse_generate_response(
             f"{len(versions)} weight versions"
         )
     routed = None
-    if routed_experts_shape is not None:
+    if routed_experts_shape is not None and finish_type == "abort" and not tokens and "routed_experts" not in meta:
+        # aborted before it was scheduled: nothing was routed (SGLang sends no routing then)
+        routed = np.full((len(request.prompt_tokens), *routed_experts_shape), -1, dtype=np.int32)
+    elif routed_experts_shape is not None:
         routed = decode_routed_experts(
             meta.get("routed_experts"),
             num_tokens=len(request.prompt_tokens) + len(tokens),

@@ -23,7 +23,7 @@ from miles.core.algorithms.objective import (
 from miles.core.batch import TrainBatch, split_micro_batches
 from miles.core.log_probs import model_response_log_probs, packed_model_response_log_probs, warn_if_slow_bf16
 from miles.core.precision import torch_dtype
-from miles.core.routing_replay import replay_routing, token_routing
+from miles.core.routing_replay import replay_routing, routing_layout, token_routing
 from miles.core.varlen_attention import register_varlen_sdpa
 from miles.train.config import TrainConfig
 from miles.train.fsdp2.lora import (
@@ -150,6 +150,7 @@ class FSDP2Backend:
         self.step = 0
         self.num_skipped_steps = 0
         self._pending_loss = 0.0  # global loss of the last forward_backward, checked by optimizer_step's guard
+        self._ref_replays: bool | None = None  # whether the reference model replays routing (R3), decided once
 
     # -- forward -------------------------------------------------------------------------------
     @property
@@ -166,9 +167,7 @@ class FSDP2Backend:
     ) -> tuple[Tensor, Tensor | None]:
         packed = self.train_cfg.batch_layout == "packed"
         log_probs_fn = packed_model_response_log_probs if packed else model_response_log_probs
-        # R3: the policy (and its reference copy) routes each token to the experts the engine chose; a teacher is
-        # another model, so it routes itself.
-        replay = mb.routed_experts is not None and model is not self.teacher_model
+        replay = mb.routed_experts is not None and self._replays(model)
         with replay_routing(model, token_routing(mb, packed=packed) if replay else None):
             return log_probs_fn(
                 model,
@@ -179,6 +178,21 @@ class FSDP2Backend:
                 temperature=self.temperature if temperature is None else temperature,
                 with_entropy=with_entropy,
             )
+
+    def _replays(self, model: torch.nn.Module) -> bool:
+        """R3: whether ``model``'s forward routes each token to the experts the engine chose: the policy does, and a
+        reference model of the same MoE layout; a teacher (another model) and any other model route themselves."""
+        if model is self.model:
+            return True
+        if model is not self.ref_model:
+            return False
+        if self._ref_replays is None:
+            try:
+                policy, ref = routing_layout(self.model), routing_layout(self.ref_model)
+            except ValueError:  # a router replay does not know: it routes itself
+                policy = ref = None
+            self._ref_replays = policy is not None and ref is not None and policy.shape == ref.shape
+        return self._ref_replays
 
     @torch.no_grad()
     def forward(self, batch: TrainBatch, *, outputs: Collection[str]) -> TrainBatch:
