@@ -241,6 +241,19 @@ def test_a_disk_without_room_for_one_checkpoint_is_one_line_before_any_model_loa
         assert not (tmp_path / "runs").exists()  # nothing written
 
 
+def test_a_lora_checkpoint_is_estimated_at_the_merged_model_plus_adapters(tiny_smollm2_dir, tmp_path):
+    # Regression: a LoRA run was estimated at 12 bytes per parameter (full AdamW state) though its checkpoint holds
+    # the merged fp32 model and small adapters, so a disk with room for it refused the run
+    from miles.recipes.run_dir import checkpoint_size
+
+    with safe_open(tiny_smollm2_dir / "model.safetensors", "pt") as f:
+        num_params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    assert checkpoint_size(resume_from=None, model_dirs=[tiny_smollm2_dir])[0] == 12 * num_params
+    size, how = checkpoint_size(resume_from=None, model_dirs=[tiny_smollm2_dir, tiny_smollm2_dir], lora=True)
+    assert size == 5 * num_params + 12 * num_params  # a LoRA policy; a critic beside it trains in full
+    assert how.startswith("5 bytes per parameter: the merged fp32 model")
+
+
 def test_a_checkpoint_that_cannot_be_written_mid_run_is_one_line_with_exit_1(
     tiny_smollm2_dir, tmp_path, data, capsys, monkeypatch
 ):

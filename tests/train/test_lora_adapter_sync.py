@@ -112,3 +112,18 @@ def test_an_adapter_for_a_module_the_engine_lacks_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="names 'model.layers.0.self_attn.qkv', which is not a Linear layer"):
         engine.load_weights(update)
     engine.close()
+
+
+def test_adapters_are_refused_on_a_base_resumed_zero_filled_until_the_weights_are_pushed(tiny_llama_dir):
+    # From a review: release_weights / resume_weights zero the base, which an adapter-only update never resends
+    backend = _backend(tiny_llama_dir)
+    engine = EmbeddedEngine(tiny_llama_dir, stop_token_ids=[2])
+    engine.load_weights(backend.export_weights())
+    engine.release_weights()
+    engine.resume_weights()
+    with pytest.raises(ValueError, match="base weights were released and re-allocated zero-filled"):
+        engine.load_weights(backend.export_weights())
+    engine.load_weights(load_file(Path(tiny_llama_dir) / "model.safetensors").items())  # the base, HF names
+    engine.load_weights(backend.export_weights())
+    _assert_engine_matches_trainer(engine, backend, make_batch(seed=2))
+    engine.close()

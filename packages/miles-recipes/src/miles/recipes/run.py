@@ -989,7 +989,7 @@ def _check_room(cfg: MilesConfig, run_dir: Path, *, model_path: Path, resume_fro
     if cfg.models.critic is not None:
         critic = cfg.models.critic.path
         model_dirs.append(resolve_model_path(critic, key="models.critic.path") if critic else model_path)
-    size, how = checkpoint_size(resume_from=resume_from, model_dirs=model_dirs)
+    size, how = checkpoint_size(resume_from=resume_from, model_dirs=model_dirs, lora=cfg.train.lora is not None)
     try:
         check_room(run_dir, checkpoint_bytes=size, how=how, keep_checkpoints=cfg.loop.keep_checkpoints)
     except RunDirError as err:

@@ -30,6 +30,10 @@ LOCK_FILE = ".lock"
 # Bytes one trained parameter takes in a checkpoint: fp32 weights (model.safetensors, also under train.dtype bf16,
 # whose master weights are fp32) + AdamW's two fp32 moments (optimizer.pt). SmolLM2-135M: 135M x 12 = ~1.6 GB.
 CHECKPOINT_BYTES_PER_PARAM = 12
+# A LoRA policy's checkpoint: the merged fp32 model (model/, 4 bytes per parameter) + the adapters and their AdamW
+# state (adapter/, optimizer.pt: 3 x 4 bytes per adapter parameter, ~1% of the model at rank 16 on a 4096-wide
+# model); 5 leaves room for adapters up to ~8% of the model.
+LORA_CHECKPOINT_BYTES_PER_PARAM = 5
 # Without safetensors headers to count parameters in: a checkpoint is at least this many times the model files.
 CHECKPOINT_FILE_FACTOR = 3
 
@@ -254,17 +258,19 @@ def check_room(run_dir: Path, *, checkpoint_bytes: int, how: str, keep_checkpoin
         )
 
 
-def checkpoint_size(*, resume_from: Path | None, model_dirs: list[Path]) -> tuple[int, str]:
+def checkpoint_size(*, resume_from: Path | None, model_dirs: list[Path], lora: bool = False) -> tuple[int, str]:
     """The size of one checkpoint, estimated without loading a model: a resumed run's checkpoint's own size, else
     ``CHECKPOINT_BYTES_PER_PARAM`` per trained parameter (counted in the safetensors headers of ``model_dirs``:
-    the policy, and the critic when one is trained), else ``CHECKPOINT_FILE_FACTOR`` x the model files' size.
+    the policy, and the critic when one is trained; ``LORA_CHECKPOINT_BYTES_PER_PARAM`` for a policy with ``lora``
+    adapters, the first of ``model_dirs``), else ``CHECKPOINT_FILE_FACTOR`` x the model files' size.
 
     Returns: (bytes, how it was estimated, for a message).
     """
     if resume_from is not None:
         return _tree_size(Path(resume_from)), f"the size of {Path(resume_from).name}"
     total, files_only = 0, False
-    for model_dir in model_dirs:
+    for i, model_dir in enumerate(model_dirs):
+        per_param = LORA_CHECKPOINT_BYTES_PER_PARAM if lora and i == 0 else CHECKPOINT_BYTES_PER_PARAM
         params = _num_params(model_dir)
         if params is None:
             files_only = True
@@ -272,9 +278,14 @@ def checkpoint_size(*, resume_from: Path | None, model_dirs: list[Path]) -> tupl
                 p.stat().st_size for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")
             )
         else:
-            total += CHECKPOINT_BYTES_PER_PARAM * params
+            total += per_param * params
     if files_only:
         return total, f"{CHECKPOINT_FILE_FACTOR} x the model files"
+    if lora:
+        return total, (
+            f"{LORA_CHECKPOINT_BYTES_PER_PARAM} bytes per parameter: the merged fp32 model, adapters and their AdamW "
+            "state"
+        )
     return total, f"{CHECKPOINT_BYTES_PER_PARAM} bytes per parameter: fp32 weights and AdamW state"
 
 

@@ -218,6 +218,7 @@ class EmbeddedEngine:
         self._interrupted: list[GenerateOutput] = []  # partial outputs of the batch a pause interrupted
         self._row_abort: RowAbort | None = None  # the running batch's per-row abort criterion
         self._released: list[tuple[torch.nn.Parameter, torch.Size]] | None = None  # shapes while released
+        self._base_zeroed = False  # re-allocated by resume_weights and not loaded since
         self.routing = routing_layout(self.model) if routed_experts else None
         if routed_experts and self.routing is None:
             raise ValueError(
@@ -401,8 +402,14 @@ class EmbeddedEngine:
             if first is None:
                 return
             if adapters.is_adapter_name(first[0]):  # adapter updates are small: taken whole, checked, then loaded
+                if self._base_zeroed:
+                    raise ValueError(
+                        "an adapter update arrived, but the engine's base weights were released and re-allocated "
+                        "zero-filled (resume_weights): push the full weights first (train.lora.sync merged)"
+                    )
                 adapters.load_adapters(self.model, [first, *named_tensors])
                 return
+            self._base_zeroed = False
             state = self.model.state_dict()
             for name, tensor in itertools.chain([first], named_tensors):
                 name = adapters.base_name(state, name)
@@ -456,6 +463,7 @@ class EmbeddedEngine:
                 return
             for param, shape in self._released:
                 param.data = torch.zeros(shape, dtype=param.dtype, device=param.device)
+            self._base_zeroed = True  # until weights are pushed: adapters alone would sit on a zero base
             with self._state:
                 self._released = None
 
