@@ -2,28 +2,18 @@
 log-probs equal the trainer's), the KL reference is the adapter-disabled policy, and the run resumes exactly."""
 
 import json
-from pathlib import Path
 
 import pytest
 from miles.recipes.cli import resolve_config
 from miles.recipes.run import run
+from tiny_runs import TINY_RUN_PATH, tiny_run
 
 OVERRIDES = [
-    "--data.size", "64",
-    "--loop.num-steps", "3",
+    *tiny_run(data_size=64, num_steps=3),
     "--loop.save-interval", "2",
-    "--rollout.rollout-batch-size", "2",
-    "--rollout.n-samples-per-prompt", "4",
-    "--rollout.sampling.max-new-tokens", "6",
-    "--eval.num-prompts", "0",
-    "--train.micro-batch-size", "8",
-    "--train.lr", "1e-2",
     "--train.lora.rank", "4",
     "--train.lora.target-modules", '["q_proj", "v_proj"]',
     "--algorithm.kl.coef", "0.1",
-    "--reward.type", "custom",
-    "--reward.path", "reward_plugins:text_length",  # response length: every group has signal on a random model
-    "--run.progress", "false",
 ]  # fmt: skip
 
 
@@ -33,7 +23,7 @@ def _rows(run_dir):
 
 @pytest.mark.parametrize("sync", ["merged", "adapter"])
 def test_lora_run_trains_adapters_the_engine_follows_and_resume_is_exact(tiny_smollm2_dir, tmp_path, monkeypatch, sync):
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "core"))
+    monkeypatch.syspath_prepend(TINY_RUN_PATH)
     overrides = [*OVERRIDES, "--train.lora.sync", sync]
     cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), *overrides])
     assert cfg.train.lora.rank == 4 and cfg.train.lora.target_modules == ["q_proj", "v_proj"]

@@ -104,7 +104,12 @@ def _nested(flat: dict) -> dict:
     remote = {"url": "", "score_key": "score", "timeout_s": 30.0, "max_retries": 3, "backoff_s": 0.5}
     tree["reward"] |= {"code": code, "remote": remote}
     tree["run"] |= {"hooks": [], "sinks": []}
-    tree["train"] = {**flat["train"], "lora": None}  # LoRA: added later, off (full fine-tuning)
+    tree["train"] = {  # added later: LoRA off (full fine-tuning), the FSDP2 backend
+        **flat["train"],
+        "lora": None,
+        "backend": "fsdp2",
+        "megatron": {"tensor_parallel_size": 1},
+    }
     return tree
 
 

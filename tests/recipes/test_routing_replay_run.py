@@ -2,27 +2,14 @@
 token's experts, the trainer replays them, and engine and trainer log-probs agree after every weight push."""
 
 import json
-from pathlib import Path
 
 import pytest
 from miles.recipes.cli import resolve_config
 from miles.recipes.run import run
 from moe_models import save_moe_model
+from tiny_runs import TINY_RUN_PATH, tiny_run
 
-OVERRIDES = [
-    "--data.size", "16",
-    "--loop.num-steps", "2",
-    "--rollout.rollout-batch-size", "2",
-    "--rollout.n-samples-per-prompt", "4",
-    "--rollout.sampling.max-new-tokens", "6",
-    "--eval.num-prompts", "0",
-    "--train.micro-batch-size", "8",
-    "--train.lr", "1e-2",
-    "--engine.routed-experts", "true",
-    "--reward.type", "custom",
-    "--reward.path", "reward_plugins:text_length",  # response length: every group has signal on a random model
-    "--run.progress", "false",
-]  # fmt: skip
+OVERRIDES = [*tiny_run(data_size=16, num_steps=2), "--engine.routed-experts", "true"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +22,7 @@ def moe_smollm2_dir(tmp_path_factory):
 
 
 def test_routed_run_replays_the_engines_experts(moe_smollm2_dir, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "core"))
+    monkeypatch.syspath_prepend(TINY_RUN_PATH)
     cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(moe_smollm2_dir), *OVERRIDES])
     assert cfg.engine.routed_experts
     run(cfg, tmp_path)
@@ -58,7 +45,7 @@ def test_routed_experts_with_a_dense_model_fails_in_one_line(tiny_smollm2_dir, t
 def test_routed_run_through_a_miles_serve_server_replays_its_experts(moe_smollm2_dir, tmp_path, monkeypatch):
     """The same run with the engine a `miles serve` server Miles starts (SGLang's API: return_routed_experts, weights
     pushed over gloo), read by the SGLang client."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "core"))
+    monkeypatch.syspath_prepend(TINY_RUN_PATH)
     server = ["--engine.type", "sglang", "--engine.server", "miles", "--engine.num-servers", "1"]
     cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(moe_smollm2_dir), *OVERRIDES, *server])
     run(cfg, tmp_path)

@@ -15,7 +15,9 @@ from torch import Tensor
 # ``_preprocess_mask_arguments`` -> ``find_packed_sequence_indices`` -> ``packed_sequence_mask_function``).
 # flash_attention_*: varlen kernels over the ``cu_seq_lens_*`` kwargs (modeling_flash_attention_utils.py);
 # miles_varlen_sdpa (``miles.core.varlen_attention``): SDPA per sequence over the same kwargs.
-_PACKED_MASK_ATTENTION = ("eager", "sdpa", "flex_attention", "miles_varlen_sdpa")
+# miles_block_diagonal_mask: a Megatron model seen through ``miles.train.megatron``'s ``CausalLMView``, which builds
+# the block-diagonal causal mask from the restarting ``position_ids``.
+_PACKED_MASK_ATTENTION = ("eager", "sdpa", "flex_attention", "miles_varlen_sdpa", "miles_block_diagonal_mask")
 
 
 def _scaled_token_log_probs(

@@ -128,6 +128,7 @@ class MilesConfig(BaseModel):
                 )
         self._check_execution()
         self._check_loop()
+        self._check_megatron()
         lora = self.train.lora
         if lora is not None and lora.sync == "adapter" and self.engine.type != "embedded":
             raise ValueError(
@@ -138,6 +139,32 @@ class MilesConfig(BaseModel):
         for i in range(len(self.eval.sets)):
             eval_set_data(self, i)  # each named eval set's data section validates
         return self
+
+    def _check_megatron(self) -> None:
+        """Refuse what train.backend megatron does not hold yet, before any model loads."""
+        train = self.train
+        if train.backend != "megatron":
+            return
+        refused = (
+            (train.lora is not None, "train.lora (LoRA)", "--train.lora off"),
+            (self.models.critic is not None, "a critic (models.critic, advantage gae)", "another advantage estimator"),
+            (getattr(self.engine, "routed_experts", False), "engine.routed_experts (MoE routing replay)", "it off"),
+            (train.dtype == "bf16", "train.dtype bf16", "--train.dtype fp32"),
+            (self.execution.mode == "ray", "execution.mode ray", "--execution.mode local"),
+        )
+        for is_set, what, fix in refused:
+            if is_set:
+                raise ValueError(
+                    f"train.backend is 'megatron', which does not support {what} yet: use {fix}, or "
+                    "--train.backend fsdp2"
+                )
+        tensor_parallel = train.megatron.tensor_parallel_size
+        if train.world_size % tensor_parallel:
+            raise ValueError(
+                f"train.megatron.tensor_parallel_size is {tensor_parallel} but train.world_size is {train.world_size}: "
+                "the trainer's ranks are tensor_parallel_size x data-parallel replicas; set --train.megatron."
+                f"tensor-parallel-size to a divisor of {train.world_size}"
+            )
 
     def _check_loop(self) -> None:
         """Refuse an asynchronous loop with parts it cannot run ahead: SFT (nothing is generated) and dynamic

@@ -671,12 +671,16 @@ def resolve_precision(cfg: MilesConfig) -> MilesConfig:
         return cfg
     _, reason = fast_bf16()
     update = {}
-    if cfg.train.dtype == "auto":
+    if cfg.train.dtype == "auto" and cfg.train.backend == "megatron":  # its bf16 path is not wired yet
+        update["train"] = cfg.train.model_copy(update={"dtype": "fp32"})
+        logger.info("train.dtype auto -> fp32: train.backend megatron trains in fp32 for now")
+    elif cfg.train.dtype == "auto":
         update["train"] = cfg.train.model_copy(update={"dtype": resolve_dtype("auto")})
     if cfg.engine.dtype == "auto":
         update["engine"] = cfg.engine.model_copy(update={"dtype": resolve_dtype("auto")})
     for key, section in update.items():
-        logger.info("%s.dtype auto -> %s: %s", key, section.dtype, reason)
+        if key == "engine" or cfg.train.backend != "megatron":
+            logger.info("%s.dtype auto -> %s: %s", key, section.dtype, reason)
     return cfg.model_copy(update=update)
 
 
@@ -754,7 +758,10 @@ def run(
         if ray_mode:
             backend = build_ray_trainer(cfg, model_path, launched, trainer_placement, stack)
         else:
-            backend = FSDP2Backend(
+            backend_cls = FSDP2Backend
+            if cfg.train.backend == "megatron":
+                from miles.train.megatron import MegatronBackend as backend_cls
+            backend = backend_cls(
                 model_path,
                 train=cfg.train,
                 temperature=cfg.rollout.sampling.temperature,
@@ -768,9 +775,10 @@ def run(
         generate_group = build_rollout(cfg, engine, tokenizer)
         eval_generate_group = build_eval_rollout(cfg, engine, tokenizer)
         logger.info(
-            "loaded %s (engine: %s; trainer %s) in %.1fs",
+            "loaded %s (engine: %s; trainer %s %s) in %.1fs",
             model_path,
             launched.description,
+            cfg.train.backend,
             cfg.train.dtype,
             time.perf_counter() - t0,
         )

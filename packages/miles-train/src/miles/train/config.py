@@ -40,10 +40,24 @@ class LoraConfig(BaseModel):
     )
 
 
-class TrainConfig(BaseModel):
-    """Optimizer, precision and micro-batching of the trainer (FSDP2 backend)."""
+class MegatronConfig(BaseModel):
+    """Parallel layout of the Megatron-core backend (``train.backend megatron``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks each layer's weights are split over (Megatron tensor parallelism); it must divide the "
+        "attention and key/value heads and train.world_size. The other ranks are data-parallel replicas.",
+    )
+
+
+class TrainConfig(BaseModel):
+    """Backend, optimizer, precision and micro-batching of the trainer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
 
     lr: float = Field(
         3e-5, gt=0.0, description="AdamW peak learning rate. 3e-5 shows a GRPO rise in 10 steps on SmolLM2-135M."
@@ -79,6 +93,15 @@ class TrainConfig(BaseModel):
         description="Data-parallel ranks (FSDP2 shards). 1 trains in this process (execution.mode local); >1 needs "
         "execution.mode ray: one Ray actor per rank, each on a CPU bundle of execution.ray.trainer_cpus_per_rank, "
         "joined over gloo (ranks on GPU bundles are not wired into miles train yet).",
+    )
+    backend: Literal["fsdp2", "megatron"] = Field(
+        "fsdp2",
+        description="fsdp2: the HF model sharded with FSDP2 (every feature). megatron: the model converted into a "
+        "Megatron-core GPTModel (Llama/Mistral/Qwen2/Qwen3 dense decoders; tensor parallelism from train.megatron; "
+        "fp32; no LoRA, critic or routing replay yet); needs the miles-train[megatron] extra.",
+    )
+    megatron: MegatronConfig = Field(
+        default_factory=MegatronConfig, description="Parallel layout of train.backend megatron."
     )
     lora: Annotated[LoraConfig | None, ON_OFF] = Field(
         None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -43,6 +44,7 @@ def guarded_step(
     step: int,
     what: str,
     lr_key: str,
+    clip_grads: Callable[[float], torch.Tensor] | None = None,
 ) -> tuple[float, bool]:
     """Clip the gradient norm; step the optimizer and the schedule only if ``loss`` and the norm are finite; zero
     the gradients. A non-finite step is never applied: it is skipped (``skip_nonfinite``) or stops the run.
@@ -55,10 +57,16 @@ def guarded_step(
         skip_nonfinite: ``train.skip_nonfinite_steps``.
         step: step number, for messages.
         what: "policy" or "critic", for messages; lr_key: the config key of its learning rate, e.g. "train.lr".
+        clip_grads: ``max_norm -> norm``: computes the global gradient norm and clips to ``max_norm`` (a backend whose
+            parameters are sharded in a way ``clip_grad_norm_`` cannot see, e.g. Megatron tensor parallelism);
+            default ``torch.nn.utils.clip_grad_norm_`` over ``model``'s parameters.
     Returns: (grad norm before clipping, True if the step was applied).
     Raises: FloatingPointError naming the values and the fixes when the step is non-finite and not skipped.
     """
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if clip_grads is None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    else:
+        grad_norm = clip_grads(grad_clip)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # host sync
     finite = math.isfinite(grad_norm) and math.isfinite(loss)
     if finite:

@@ -1,0 +1,476 @@
+"""Megatron-core training backend: an HF causal LM converted into Megatron's ``GPTModel``, tensor-parallel over the
+ranks of the current process group, with the same ``TrainBackend`` contract and the same shared objective as FSDP2.
+
+Rank layout: ``world = tensor_parallel_size * data_parallel_size``; Megatron's ``parallel_state`` groups the ranks
+(the tensor-parallel ranks of one replica are consecutive). Every rank of a tensor-parallel group runs the same rows;
+data-parallel replicas get their own rows and Megatron's ``DistributedDataParallel`` sums their gradients.
+Pipeline, expert and context parallelism, LoRA, a critic and routing replay are not wired into this backend yet
+(the constructor refuses them).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from collections.abc import Collection, Iterable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from miles.core.algorithms.objective import (
+    LossCounts,
+    PolicyObjective,
+    accumulate_policy_loss,
+    reduce_policy_metrics,
+)
+from miles.core.batch import TrainBatch, split_micro_batches
+from miles.core.log_probs import model_response_log_probs, packed_model_response_log_probs
+from miles.train.config import TrainConfig
+from miles.train.fsdp2.backend import WeightSink, drain_weights, ensure_process_group
+from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
+from miles.train.fsdp2.state import write_weights
+from miles.train.megatron import convert
+from miles.train.megatron.cpu import apply_if_no_gpu
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+BLOCK_DIAGONAL_MASK = "miles_block_diagonal_mask"  # what CausalLMView attends with (see its docstring)
+
+
+def init_parallel_state(tensor_parallel: int) -> None:
+    """Megatron's ``parallel_state`` over the current process group with ``tensor_parallel`` ranks per replica
+    (re-initialized when an earlier backend in this process used another size); seeds Megatron's RNG tracker.
+
+    Raises: ValueError when the world size is not a multiple of ``tensor_parallel``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    world = dist.get_world_size()
+    if world % tensor_parallel:
+        raise ValueError(
+            f"train.megatron.tensor_parallel_size {tensor_parallel} must divide the trainer's world size {world} "
+            "(train.world_size): world = tensor_parallel_size x data-parallel replicas"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    rng = torch.get_rng_state()
+    model_parallel_cuda_manual_seed(1234)  # dropout is off: the tracker only has to exist; keep the run's RNG
+    torch.set_rng_state(rng)
+
+
+class CausalLMView:
+    """A Megatron ``GPTModel`` called the way ``miles.core.log_probs`` calls an HF causal LM.
+
+    ``view(input_ids=[B, L], attention_mask=[B, L] | None, position_ids=[B, L] | None, logits_to_keep=int | [M])``
+    returns an object with ``.logits`` [B, K, V] (V: the HF vocabulary; Megatron's padding rows dropped). Attention
+    is causal and, with a 0/1 ``attention_mask``, never reaches padded keys; without one, a new sequence starts at
+    each position id 0 (the packed layout) and attends only within itself: an explicit block-diagonal causal mask,
+    which Megatron's attention takes on every path (its name is ``BLOCK_DIAGONAL_MASK``).
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int) -> None:
+        self.model, self.vocab_size = model, vocab_size
+        self.config = SimpleNamespace(_attn_implementation=BLOCK_DIAGONAL_MASK)
+
+    def __call__(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        logits_to_keep: int | Tensor = 0,
+        **_flash_kwargs: Any,
+    ) -> SimpleNamespace:
+        batch, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device)
+        masked = positions[None, :] > positions[:, None]  # [L, L], True = may not attend (Megatron's convention)
+        if attention_mask is not None:
+            masked = masked[None, None] | ~attention_mask.bool()[:, None, None, :]  # [B, 1, L, L]
+        if position_ids is None:
+            position_ids = positions[None, :].expand(batch, length)
+        elif attention_mask is None:
+            sequence = (position_ids == 0).cumsum(dim=-1)  # [B, L], which packed sequence each token is in
+            masked = masked[None, None] | (sequence[:, None, :, None] != sequence[:, None, None, :])
+        if masked.dim() == 2:
+            masked = masked[None, None]
+        logits = self.model(input_ids, position_ids, masked)[..., : self.vocab_size]  # [B, L, V]
+        if isinstance(logits_to_keep, Tensor):
+            logits = logits[:, logits_to_keep]
+        elif logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return SimpleNamespace(logits=logits)
+
+
+class MegatronBackend:
+    """``TrainBackend`` on Megatron-core: every rank of the current process group constructs one.
+
+    Arguments as ``FSDP2Backend`` (model_path, train, temperature, reference_path, teacher_path,
+    teacher_temperature, weight_sink); the tensor-parallel size is ``train.megatron.tensor_parallel_size``.
+    The reference and teacher are frozen ``GPTModel``s with the same tensor-parallel layout.
+
+    Raises: ValueError (one line naming the setting) for what this backend does not hold yet: LoRA, a critic,
+        bf16, a model architecture without a conversion, a tensor-parallel size that does not divide the heads or
+        the world size.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        train: TrainConfig,
+        temperature: float,
+        reference_path: str | Path | None = None,
+        teacher_path: str | Path | None = None,
+        teacher_temperature: float = 1.0,
+        critic_path: str | Path | None = None,
+        critic_lr: float = 1e-5,
+        weight_sink: WeightSink | None = None,
+    ) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from transformers import AutoConfig
+
+        for refused, what in (
+            (train.lora is not None, "train.lora (LoRA)"),
+            (critic_path is not None, "a critic (advantage gae)"),
+            (train.dtype == "bf16", "train.dtype bf16"),
+        ):
+            if refused:
+                raise ValueError(f"train.backend megatron does not support {what} yet; use --train.backend fsdp2")
+        ensure_process_group()
+        self.cpu_compat = apply_if_no_gpu()
+        self.tensor_parallel = train.megatron.tensor_parallel_size
+        init_parallel_state(self.tensor_parallel)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.rank = dist.get_rank()
+        self.train_cfg = train
+        self.temperature, self.teacher_temperature = temperature, teacher_temperature
+        self.model_path = Path(model_path)
+        self.weight_sink = weight_sink
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.gpt = self._build(model_path)
+        self.model = DistributedDataParallel(
+            self.gpt.config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            ),
+            self.gpt,
+        )
+        self.optimizer = torch.optim.AdamW(
+            list(self.gpt.parameters()),
+            lr=train.lr,
+            betas=(train.adam_beta1, train.adam_beta2),
+            eps=train.adam_eps,
+            weight_decay=train.weight_decay,
+        )
+        self.scheduler = warmup_schedule(self.optimizer, warmup_steps=train.warmup_steps)
+        self.ref_model = self._build(reference_path, frozen=True) if reference_path is not None else None
+        self.teacher_model = self._build(teacher_path, frozen=True) if teacher_path is not None else None
+        self.step = 0
+        self.num_skipped_steps = 0
+        self._pending_loss = 0.0
+
+    def _build(self, path: str | Path, *, frozen: bool = False) -> torch.nn.Module:
+        """A ``GPTModel`` holding this rank's shards of the HF model at ``path``."""
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer import TransformerConfig
+
+        hf_config = self.hf_config if Path(path) == self.model_path else _hf_config(path)
+        config = TransformerConfig(
+            **convert.transformer_config_kwargs(hf_config, tensor_parallel=self.tensor_parallel, dtype=torch.float32)
+        )
+        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+        rng = torch.get_rng_state()  # Megatron's init draws are overwritten by the HF weights; keep the run's RNG
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            **convert.gpt_model_kwargs(hf_config, tensor_parallel=self.tensor_parallel),
+        )
+        torch.set_rng_state(rng)
+        model.hf_vocab_size = hf_config.vocab_size
+        self._load_hf(model, _hf_state(path), hf_config)
+        if frozen:
+            model.eval().requires_grad_(False)
+        return model
+
+    def _load_hf(self, model: torch.nn.Module, hf_state: dict[str, Tensor], hf_config: Any) -> None:
+        """Copy this rank's shards of an HF state dict into ``model``. Raises: ValueError naming missing/extra."""
+        full = convert.hf_to_megatron(hf_state, hf_config, tensor_parallel=self.tensor_parallel)
+        params = dict(model.named_parameters())
+        if set(full) != set(params):
+            raise ValueError(
+                f"train.backend megatron: converted weights do not match the Megatron model: missing "
+                f"{sorted(set(params) - set(full))[:3]}, unexpected {sorted(set(full) - set(params))[:3]}"
+            )
+        with torch.no_grad():
+            for name, param in params.items():
+                shard = convert.shard_of(full[name], param, rank=self.tp_rank, world=self.tensor_parallel)
+                param.copy_(shard)
+
+    # -- forward -------------------------------------------------------------------------------
+    @property
+    def available_outputs(self) -> frozenset[str]:
+        """The ``forward`` outputs this backend can compute (the models it holds)."""
+        held = {"old_log_probs"}
+        held |= {"ref_log_probs"} if self.ref_model is not None else set()
+        held |= {"teacher_log_probs"} if self.teacher_model is not None else set()
+        return frozenset(held)
+
+    def _log_probs(
+        self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool, temperature: float | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        packed = self.train_cfg.batch_layout == "packed"
+        log_probs_fn = packed_model_response_log_probs if packed else model_response_log_probs
+        gpt = self.gpt if model is self.model else model
+        return log_probs_fn(
+            CausalLMView(model, gpt.hf_vocab_size),
+            mb.tokens,
+            mb.attention_mask,
+            mb.prompt_lengths,
+            num_response_columns=mb.loss_mask.shape[1],
+            temperature=self.temperature if temperature is None else temperature,
+            with_entropy=with_entropy,
+        )
+
+    @torch.no_grad()
+    def forward(self, batch: TrainBatch, *, outputs: Collection[str]) -> TrainBatch:
+        """As ``FSDP2Backend.forward``: the requested outputs ([B, T] float32), nothing else computed.
+
+        Raises: ValueError naming an output this backend cannot compute.
+        """
+        outputs = set(outputs)
+        if outputs - self.available_outputs:
+            raise ValueError(
+                f"backend.forward: cannot compute {sorted(outputs - self.available_outputs)}; this backend holds "
+                f"{sorted(self.available_outputs)} (a reference needs algorithm.kl on, a teacher models.teacher)"
+            )
+        models = {"old_log_probs": self.model, "ref_log_probs": self.ref_model, "teacher_log_probs": self.teacher_model}
+        parts: dict[str, list[Tensor]] = {name: [] for name in models if name in outputs}
+        width = batch.loss_mask.shape[1]
+        for mb in split_micro_batches(batch, self.train_cfg.micro_batch_size) if parts else []:
+            for name in parts:
+                temperature = self.teacher_temperature if name == "teacher_log_probs" else None
+                lp = self._log_probs(models[name], mb, with_entropy=False, temperature=temperature)[0]
+                parts[name].append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
+        return batch.replace(**{name: torch.cat(values) for name, values in parts.items()})
+
+    # -- training -------------------------------------------------------------------------------
+    def forward_backward(self, batch: TrainBatch, objective: PolicyObjective, counts: LossCounts) -> dict[str, float]:
+        """As ``FSDP2Backend.forward_backward``: accumulate ``objective``'s gradients over micro-batches of this
+        replica's rows (every tensor-parallel rank of a replica gets the same rows), ``counts`` being the global
+        batch's. Megatron's DDP sums the replicas' gradients (``finalize_model_grads``, which also all-reduces the
+        gradients of parameters replicated over tensor-parallel ranks where Megatron needs it).
+
+        Returns: global metrics, reduced over the data-parallel replicas.
+        Raises: ValueError when ``counts`` are this replica's rather than the global batch's.
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        def backward(loss: Tensor, i: int, num_micro_batches: int) -> None:
+            (loss * self.dp_size).backward()  # DDP averages over replicas; the loss already divides by global counts
+
+        sums = accumulate_policy_loss(
+            objective,
+            batch,
+            counts,
+            world_size=self.dp_size,
+            micro_batch_size=self.train_cfg.micro_batch_size,
+            log_probs_fn=lambda mb: self._log_probs(self.model, mb, with_entropy=True),
+            backward=backward,
+        )
+        finalize_model_grads([self.model])
+        metrics = reduce_policy_metrics(objective, sums, counts, all_reduce=self._dp_all_reduce)
+        self._pending_loss = metrics["loss"]
+        return metrics
+
+    def _dp_all_reduce(self, totals: Tensor, op: str) -> Tensor:
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.dp_group)
+        return totals
+
+    def _clip_grads(self, max_norm: float) -> Tensor:
+        """Global L2 norm of the gradients (each tensor-parallel shard once, replicated parameters once), then scale
+        them to at most ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does. Collective over the TP group."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        grads = [p.grad for p in self.gpt.parameters() if p.grad is not None]
+        counted = [
+            p.grad.float().pow(2).sum()
+            for p in self.gpt.parameters()
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)
+        ]
+        squares = torch.stack(counted).sum() if counted else torch.zeros(())
+        dist.all_reduce(squares, group=self.tp_group)
+        norm = squares.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(coef)
+        return norm
+
+    def optimizer_step(self, *, loss: float | None = None) -> dict[str, float]:
+        """As ``FSDP2Backend.optimizer_step``: clip (tensor-parallel-aware norm), step AdamW and the LR schedule,
+        zero the gradient buffers; skip the step on NaN/inf (config). Returns grad_norm, lr, skipped_steps."""
+        for param in self.gpt.parameters():
+            param.grad = param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
+        grad_norm, applied = guarded_step(
+            self.gpt,
+            self.optimizer,
+            self.scheduler,
+            loss=self._pending_loss if loss is None else loss,
+            grad_clip=self.train_cfg.grad_clip,
+            skip_nonfinite=self.train_cfg.skip_nonfinite_steps,
+            step=self.step,
+            what="policy",
+            lr_key="train.lr",
+            clip_grads=self._clip_grads,
+        )
+        self.model.zero_grad_buffer()
+        self._pending_loss = 0.0
+        self.num_skipped_steps += not applied
+        self.step += 1
+        return {
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "skipped_steps": float(self.num_skipped_steps),
+        }
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Full gradients by HF name (collective over the TP group; for tests and diagnostics), read from the
+        gradient buffers after ``forward_backward``."""
+        grads = ((name, p.main_grad) for name, p in self.gpt.named_parameters())
+        return {name: t.clone() for name, t in convert.megatron_to_hf(self._gathered(grads), self.hf_config)}
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+    def _gathered(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors from this rank's shards, one at a time (an all-gather over the TP group per split one)."""
+        params = dict(self.gpt.named_parameters())
+        for name, shard in named:
+            param = params[name]
+            if self.tensor_parallel == 1 or not getattr(param, "tensor_model_parallel", False):
+                yield name, shard.detach()
+                continue
+            shards = [torch.empty_like(shard) for _ in range(self.tensor_parallel)]
+            dist.all_gather(shards, shard.detach().contiguous(), group=self.tp_group)
+            yield name, convert.full_from_shards(shards, param)
+
+    def export_weights(self) -> Iterable[tuple[str, Tensor]]:
+        """(HF name, fp32 tensor) pairs of the full model, produced one Megatron tensor at a time (gathered over the
+        tensor-parallel ranks; the fused q/k/v and gate/up split back into HF's tensors; the vocabulary padding
+        dropped). A tied embedding is sent once, as ``model.embed_tokens.weight``.
+
+        Collective with tensor parallelism: every rank must read the whole stream, in order (``drain_weights``).
+        """
+        stream = convert.megatron_to_hf(self._gathered(self.gpt.named_parameters()), self.hf_config)
+        if self.tensor_parallel == 1:
+            return list(stream)  # views of the live parameters: a sender may resend it
+        return stream
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Full fp32 weights by HF name, copies (collective over the TP group)."""
+        return {name: tensor.clone() for name, tensor in self.export_weights()}
+
+    def push_weights(self, version: int) -> None:
+        """As ``FSDP2Backend.push_weights``: every rank gathers, the ranks given a ``weight_sink`` send.
+
+        Raises: RuntimeError if a single-rank backend has no sink; what the sink raises on a failed update.
+        """
+        if self.weight_sink is None and dist.get_world_size() == 1:
+            raise RuntimeError("push_weights: this backend has no weight_sink; pass weight_sink=WeightSender(...)")
+        named = self.export_weights()
+        try:
+            if self.weight_sink is not None:
+                self.weight_sink.push(named, version=version)
+        finally:
+            drain_weights(named)
+
+    def save(self, path: Path) -> None:
+        """Write ``model/`` (HF directory: config, safetensors; rank 0), ``optimizer/tp{R}.pt`` (each tensor-parallel
+        rank's AdamW and LR-schedule state, written by data-parallel replica 0) and ``trainer_state.json``.
+        Collective; returns once every rank has written.
+
+        Raises: FloatingPointError if any weight is NaN/inf (nothing is written).
+        """
+        from megatron.core import parallel_state
+
+        weights = self.full_state_dict()
+        nonfinite = [name for name, tensor in weights.items() if not torch.isfinite(tensor).all()]
+        if nonfinite:
+            raise FloatingPointError(
+                f"refusing to save a checkpoint: policy weights {nonfinite[:3]} hold NaN/inf. The previous "
+                "checkpoint is intact; resume from it with a lower --train.lr."
+            )
+        path = Path(path)
+        if self.rank == 0:
+            write_weights(weights, path / "model" / "model.safetensors")
+            config = copy.deepcopy(self.hf_config)
+            config.use_cache = True
+            config.save_pretrained(path / "model")
+            if (self.model_path / "generation_config.json").is_file():
+                shutil.copy2(self.model_path / "generation_config.json", path / "model" / "generation_config.json")
+            (path / "trainer_state.json").write_text(
+                json.dumps(
+                    {
+                        "step": self.step,
+                        "skipped_steps": self.num_skipped_steps,
+                        "tensor_parallel_size": self.tensor_parallel,
+                    },
+                    indent=2,
+                )
+            )
+        if parallel_state.get_data_parallel_rank() == 0:
+            (path / "optimizer").mkdir(parents=True, exist_ok=True)
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                path / "optimizer" / f"tp{self.tp_rank}.pt",
+            )
+        if dist.get_world_size() > 1:
+            dist.barrier()
+
+    def load(self, path: Path) -> None:
+        """Restore weights, optimizer, schedule and step from ``save``'s layout.
+
+        Raises: ValueError when the checkpoint was written with another tensor-parallel size (its optimizer shards
+            do not fit); FileNotFoundError for a checkpoint without ``optimizer/`` (e.g. an FSDP2 one).
+        """
+        path = Path(path)
+        trainer_state = json.loads((path / "trainer_state.json").read_text())
+        saved_tp = trainer_state.get("tensor_parallel_size")
+        if not (path / "optimizer").is_dir():
+            raise FileNotFoundError(
+                f"{path} holds no Megatron optimizer state (optimizer/): it was written by another backend; resume "
+                "it with the backend that wrote it (train.backend)"
+            )
+        if saved_tp != self.tensor_parallel:
+            raise ValueError(
+                f"{path} was written with train.megatron.tensor_parallel_size {saved_tp}, this run uses "
+                f"{self.tensor_parallel}; resume with --train.megatron.tensor-parallel-size {saved_tp}"
+            )
+        self._load_hf(self.gpt, _hf_state(path / "model"), self.hf_config)
+        state = torch.load(path / "optimizer" / f"tp{self.tp_rank}.pt", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]
+
+
+def _hf_config(path: str | Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def _hf_state(path: str | Path) -> dict[str, Tensor]:
+    """The fp32 state dict of the HF causal LM at ``path`` (tied tensors appear under both names)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()

@@ -1,0 +1,107 @@
+"""Megatron-core on a machine without CUDA: the few places megatron-core 0.16 hard-codes CUDA, redirected to the CPU.
+
+Used only when ``torch.cuda.is_available()`` is false (``apply_if_no_gpu``); with a GPU, Megatron runs unchanged.
+What it changes, and why (each was found by running ``GPTModel`` forward/backward over gloo at TP=1 and TP=2):
+
+1. ``tensor_parallel.random.CudaRNGStatesTracker`` -> ``CPURNGStatesTracker``: the tracker saves and restores
+   ``torch.cuda`` RNG states ("Torch not compiled with CUDA"); this one keeps named CPU generator states and
+   ``fork()`` swaps the CPU default generator, which is what dropout and init of CPU tensors draw from.
+2. ``torch.cuda.current_device`` -> ``torch.device("cpu")``: Megatron allocates buffers with
+   ``device=torch.cuda.current_device()`` (the global memory buffer of attention, the DDP gradient buffers, the
+   sequence-parallel all-gather buffers); on a CPU-only torch that call always raises, so nothing that works is
+   changed by the redirect.
+3. ``megatron.core.utils.GlobalMemoryBuffer.get_tensor`` allocates on the CPU (it names the CUDA device itself).
+
+Nothing else is touched: the model, its parallel layers, collectives (gloo), DDP and ``finalize_model_grads`` are
+Megatron's own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator
+from functools import reduce
+
+import torch
+
+_applied = False
+
+
+class CPURNGStatesTracker:
+    """Megatron's ``CudaRNGStatesTracker`` interface over named CPU generator states.
+
+    ``add(name, seed)`` stores the state of a CPU generator seeded with ``seed``; ``fork(name)`` runs its block
+    with the CPU default generator in that state and stores where it ended, restoring the default state after.
+    Raises: Exception (Megatron's own messages) for a duplicate name or seed, or an unknown name.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+
+def _cpu_buffer_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
+    """``GlobalMemoryBuffer.get_tensor`` allocating on the CPU: a reused flat buffer per (name, dtype)."""
+    required = reduce(operator.mul, tensor_shape, 1)
+    buffer = self.buffer.get((name, dtype))
+    if buffer is None or buffer.numel() < required:
+        buffer = self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype, device="cpu")
+    return buffer[0:required].view(*tensor_shape)
+
+
+def apply_if_no_gpu() -> bool:
+    """Apply the CPU redirects above once per process if there is no CUDA device; returns whether they are active.
+
+    Call before building any Megatron model or parallel state.
+    """
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    from megatron.core import utils as megatron_utils
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random.CudaRNGStatesTracker = CPURNGStatesTracker
+    megatron_random._CUDA_RNG_STATE_TRACKER = None
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    megatron_utils.GlobalMemoryBuffer.get_tensor = _cpu_buffer_tensor
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    _applied = True
+    return True

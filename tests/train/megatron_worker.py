@@ -1,0 +1,66 @@
+"""Worker for the two-rank Megatron tests; run as a script:
+python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL LAYOUT.
+
+Every rank: log-probs of the whole batch, forward_backward of its replica's rows with the global loss counts, full
+gradients, one optimizer step, a push into rank 0's recording sink, the full state and a checkpoint; rank 0 saves
+what it saw into OUT (and the checkpoint into OUT.ckpt)."""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main(rank: int, world: int, init_file: str, model_dir: str, out: str, tensor_parallel: int, layout: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from batch_fixture import make_batch
+    from fsdp2_worker import RecordingSink
+    from miles.core.algorithms.objective import LossCounts, PolicyObjective
+    from miles.core.config import AlgorithmConfig
+    from miles.train import TrainConfig
+    from miles.train.megatron import MegatronBackend
+
+    train = TrainConfig(
+        backend="megatron",
+        megatron={"tensor_parallel_size": tensor_parallel},
+        micro_batch_size=2,
+        batch_layout=layout,
+        lr=1e-2,
+        adam_eps=1e-4,  # see test_log_probs_gradients_and_a_step_equal_the_fsdp2_backend
+    )
+    sink = RecordingSink() if rank == 0 else None
+    backend = MegatronBackend(model_dir, train=train, temperature=1.0, weight_sink=sink)
+    objective = PolicyObjective(AlgorithmConfig(), max_new_tokens=8)
+    batch = make_batch()
+    log_probs = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    replicas = world // tensor_parallel
+    replica = rank // tensor_parallel  # Megatron's layout: a replica's tensor-parallel ranks are consecutive
+    rows = batch.batch_size // replicas
+    shard = batch.slice(replica * rows, (replica + 1) * rows)
+    metrics = backend.forward_backward(shard, objective, LossCounts.of(batch))
+    grads = backend.full_gradients()
+    step = backend.optimizer_step()
+    backend.push_weights(1)
+    state = backend.full_state_dict()
+    backend.save(Path(out + ".ckpt"))
+    if rank == 0:
+        torch.save(
+            {
+                "log_probs": log_probs,
+                "metrics": metrics,
+                "grads": grads,
+                "step": step,
+                "pushed": sink.received,
+                "state": state,
+            },
+            out,
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank, world, init_file, model_dir, out, tensor_parallel, layout = sys.argv[1:8]
+    main(int(rank), int(world), init_file, model_dir, out, int(tensor_parallel), layout)
