@@ -21,9 +21,13 @@ def moe_smollm2_dir(tmp_path_factory):
     return save_moe_model("qwen3_moe", tmp_path_factory.mktemp("tiny_qwen3_moe"), tokenizer=tokenizer)
 
 
-def test_routed_run_replays_the_engines_experts(moe_smollm2_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+def test_routed_run_replays_the_engines_experts(moe_smollm2_dir, tmp_path, monkeypatch, backend):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
     monkeypatch.syspath_prepend(TINY_RUN_PATH)
-    cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(moe_smollm2_dir), *OVERRIDES])
+    args = ["--models.policy.path", str(moe_smollm2_dir), *OVERRIDES, "--train.backend", backend]
+    cfg = resolve_config("smollm2_grpo_arithmetic", args)
     assert cfg.engine.routed_experts
     run(cfg, tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -1,5 +1,5 @@
 """Worker for the two-rank Megatron tests; run as a script:
-python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL LAYOUT.
+python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL LAYOUT [BATCH_FILE].
 
 Every rank: log-probs of the whole batch, forward_backward of its replica's rows with the global loss counts, full
 gradients, one optimizer step, a push into rank 0's recording sink, the full state and a checkpoint; rank 0 saves
@@ -12,7 +12,16 @@ import torch
 import torch.distributed as dist
 
 
-def main(rank: int, world: int, init_file: str, model_dir: str, out: str, tensor_parallel: int, layout: str) -> None:
+def main(
+    rank: int,
+    world: int,
+    init_file: str,
+    model_dir: str,
+    out: str,
+    tensor_parallel: int,
+    layout: str,
+    batch_file: str | None = None,
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from batch_fixture import make_batch
@@ -33,7 +42,7 @@ def main(rank: int, world: int, init_file: str, model_dir: str, out: str, tensor
     sink = RecordingSink() if rank == 0 else None
     backend = MegatronBackend(model_dir, train=train, temperature=1.0, weight_sink=sink)
     objective = PolicyObjective(AlgorithmConfig(), max_new_tokens=8)
-    batch = make_batch()
+    batch = make_batch() if batch_file is None else torch.load(batch_file, weights_only=False)
     log_probs = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
     replicas = world // tensor_parallel
     replica = rank // tensor_parallel  # Megatron's layout: a replica's tensor-parallel ranks are consecutive
@@ -63,4 +72,4 @@ def main(rank: int, world: int, init_file: str, model_dir: str, out: str, tensor
 
 if __name__ == "__main__":
     rank, world, init_file, model_dir, out, tensor_parallel, layout = sys.argv[1:8]
-    main(int(rank), int(world), init_file, model_dir, out, int(tensor_parallel), layout)
+    main(int(rank), int(world), init_file, model_dir, out, int(tensor_parallel), layout, *sys.argv[8:9])

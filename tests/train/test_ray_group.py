@@ -240,6 +240,30 @@ def test_two_ranks_give_the_in_process_gradients_metrics_and_updated_weights(pus
 
 
 @ray_test
+@pytest.mark.parametrize("tensor_parallel", [2, 1], ids=["megatron_tp2", "megatron_dp2"])
+def test_megatron_ranks_give_the_in_process_megatron_backend(ray_cluster, tiny_llama_dir, tensor_parallel):
+    """train.backend megatron on 2 actors: one tensor-parallel replica (both ranks get all 5 rows) or two
+    data-parallel replicas (3 + 2 rows, the short one padded): log-probs, metrics, gradients and a step equal one
+    in-process rank's."""
+    pytest.importorskip("megatron.core")
+    from miles.train.megatron import MegatronBackend
+
+    train = dict(TRAIN, backend="megatron", adam_eps=1e-4)
+    reference = MegatronBackend(tiny_llama_dir, train=TrainConfig(**train), temperature=1.0)
+    batch = _batch()
+    layout = TrainConfig(world_size=2, megatron={"tensor_parallel_size": tensor_parallel}, **train)
+    with RayTrainGroup(tiny_llama_dir, train=layout, temperature=1.0) as group:
+        want = reference.forward(batch, outputs={"old_log_probs"}).old_log_probs * batch.loss_mask
+        got = group.forward(batch, outputs={"old_log_probs"}).old_log_probs * batch.loss_mask
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        got, want = (b.forward_backward(batch, OBJECTIVE, LossCounts.of(batch)) for b in (group, reference))
+        assert got == pytest.approx(want, abs=1e-5)
+        _assert_same_tensors(group.full_gradients(), reference.full_gradients(), atol=1e-5)
+        assert group.optimizer_step() == pytest.approx(reference.optimizer_step(), abs=1e-5)
+        _assert_same_tensors(group.full_state_dict(), reference.full_state_dict(), atol=1e-5)
+
+
+@ray_test
 def test_push_weights_goes_from_rank_0_to_the_receiver_bit_for_bit(pushing_group):
     ray = import_ray()
     group, received = pushing_group

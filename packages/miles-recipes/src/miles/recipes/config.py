@@ -148,9 +148,7 @@ class MilesConfig(BaseModel):
         refused = (
             (train.lora is not None, "train.lora (LoRA)", "--train.lora off"),
             (self.models.critic is not None, "a critic (models.critic, advantage gae)", "another advantage estimator"),
-            (getattr(self.engine, "routed_experts", False), "engine.routed_experts (MoE routing replay)", "it off"),
             (train.dtype == "bf16", "train.dtype bf16", "--train.dtype fp32"),
-            (self.execution.mode == "ray", "execution.mode ray", "--execution.mode local"),
         )
         for is_set, what, fix in refused:
             if is_set:

@@ -381,10 +381,10 @@ def ray_engine_placement(cfg: MilesConfig) -> Iterator[Any]:
 def build_ray_trainer(
     cfg: MilesConfig, model_path: Path, launched: LaunchedEngine, placement: Any, stack: contextlib.ExitStack
 ) -> TrainBackend:
-    """The trainer of execution.mode ray: ``train.world_size`` FSDP2 ranks as Ray actors (``RayTrainGroup``), one
-    per bundle of ``placement`` (``ray_trainer_placement``), rank 0 pushing the weights through the sink
-    ``launched.sink_factory`` builds in its actor; ``stack`` closes the group. Logs one line: ranks, bundles,
-    processes, engines."""
+    """The trainer of execution.mode ray: ``train.world_size`` ranks of ``train.backend`` as Ray actors
+    (``RayTrainGroup``), one per bundle of ``placement`` (``ray_trainer_placement``), rank 0 pushing the weights
+    through the sink ``launched.sink_factory`` builds in its actor; ``stack`` closes the group. Logs one line:
+    ranks, bundles, processes, engines."""
     from miles.core.execution import import_ray
     from miles.train.ray_group import RayTrainGroup
 
@@ -403,9 +403,10 @@ def build_ray_trainer(
     ray = import_ray()
     where = ray.get([actor.__ray_call__.remote(_process_of) for actor in group.actors])
     logger.info(
-        "Ray placement: %d FSDP2 trainer ranks on bundles 0-%d of a %s placement group (%g CPU each; %s), rank 0 "
+        "Ray placement: %d %s trainer ranks on bundles 0-%d of a %s placement group (%g CPU each; %s), rank 0 "
         "pushes the weights; engines: %s%s",
         world_size,
+        {"fsdp2": "FSDP2", "megatron": "Megatron"}[cfg.train.backend],
         world_size - 1,
         ray_cfg.placement_strategy,
         ray_cfg.trainer_cpus_per_rank,

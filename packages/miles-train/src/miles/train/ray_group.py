@@ -1,10 +1,12 @@
-"""``RayTrainGroup``: the FSDP2 trainer as ``train.world_size`` Ray actors, one per placement-group bundle.
+"""``RayTrainGroup``: the trainer as ``train.world_size`` Ray actors, one per placement-group bundle.
 
 Each actor (``TrainWorker``) is one rank of a torch.distributed group (gloo on CPU; gloo + NCCL when its bundle has
-a GPU) and owns an ``FSDP2Backend``. The driver holds the global batch: ``forward`` and ``forward_backward`` give
-each rank its contiguous rows, with the global ``LossCounts``, so the update equals one big batch on one rank
-(``FSDP2Backend``'s contract). Weights leave from rank 0's actor through the sink its ``weight_sink_factory``
-builds there, never through the driver.
+a GPU) and owns the backend ``train.backend`` names (``FSDP2Backend``, or ``MegatronBackend``). The driver holds the
+global batch: ``forward`` and ``forward_backward`` give each data-parallel replica its contiguous rows (an FSDP2 rank
+is a replica; a Megatron replica is ``train.megatron.tensor_parallel_size`` consecutive ranks, which all get its
+rows), with the global ``LossCounts``, so the update equals one big batch on one rank (the backends' contract).
+Weights leave from rank 0's actor through the sink its ``weight_sink_factory`` builds there, never through the
+driver.
 
 Every call goes to all ranks and waits for all of them; calls from several threads (the loop, the engine
 supervisor's re-weighting of a restarted server) reach every rank in the same order, so their collectives match.
@@ -94,7 +96,7 @@ def pad_shard(batch: TrainBatch, rows: range, *, num_rows: int) -> TrainBatch:
 
 
 class TrainWorker:
-    """One trainer rank inside a Ray actor: its process group, RNG seed and ``FSDP2Backend``.
+    """One trainer rank inside a Ray actor: its process group, RNG seed and backend (``train.backend``).
 
     Built by ``RayTrainGroup`` (``ray.remote(TrainWorker)``); its methods are the group's, for this rank's shard.
     """
@@ -128,6 +130,10 @@ class TrainWorker:
         from miles.train.fsdp2.backend import FSDP2Backend
         from transformers.utils import logging as hf_logging
 
+        backend_cls = FSDP2Backend
+        if backend_kwargs["train"].backend == "megatron":
+            from miles.train.megatron import MegatronBackend as backend_cls
+
         ray = import_ray()
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank and model; the driver owns the console
         torch.set_num_threads(num_threads)
@@ -143,7 +149,7 @@ class TrainWorker:
         np.random.seed(seed)
         torch.manual_seed(seed)
         sink = weight_sink_factory() if self.rank == 0 and weight_sink_factory is not None else None
-        self.backend = FSDP2Backend(weight_sink=sink, **backend_kwargs)
+        self.backend = backend_cls(weight_sink=sink, **backend_kwargs)
         return self.backend.available_outputs
 
     def forward(self, batch: TrainBatch, outputs: Collection[str]) -> dict[str, Tensor]:
@@ -211,10 +217,11 @@ class TrainWorker:
 
 
 class RayTrainGroup:
-    """``TrainBackend`` running ``train.world_size`` FSDP2 ranks as Ray actors, one per placement-group bundle.
+    """``TrainBackend`` running ``train.world_size`` ranks of ``train.backend`` as Ray actors, one per bundle.
 
     Needs a Ray session (``miles.core.execution.ray_session``). Construction starts the actors, joins them into
-    one process group and builds each rank's ``FSDP2Backend`` (loading the models once per rank).
+    one process group and builds each rank's ``FSDP2Backend`` or ``MegatronBackend`` (loading the models once per
+    rank).
 
     Args:
         model_path: HF model directory, readable on every node.
@@ -231,10 +238,11 @@ class RayTrainGroup:
         collective_timeout_s: how long a rank waits in a collective (the process group's timeout); a rank whose
             peer raised is freed after this.
         placement_timeout_s: how long to wait for the cluster to place the ranks.
-        **backend_kwargs: the rest of ``FSDP2Backend``'s arguments (reference_path, teacher_path,
+        **backend_kwargs: the rest of the backends' arguments (reference_path, teacher_path,
             teacher_temperature, critic_path, critic_lr), picklable.
-    Raises: ImportError without Ray; ValueError/TimeoutError from ``placement_group_for``; TrainerRankFailed if a
-        rank dies while starting (the message holds its error, e.g. a bad model path).
+    Raises: ImportError without Ray; ValueError when ``train.world_size`` is not a multiple of the Megatron
+        tensor-parallel size; ValueError/TimeoutError from ``placement_group_for``; TrainerRankFailed if a rank dies
+        while starting (the message holds its error, e.g. a bad model path).
     """
 
     def __init__(
@@ -258,6 +266,14 @@ class RayTrainGroup:
         t0 = time.perf_counter()
         resources = dict(resources_per_rank or {"CPU": 1.0})
         self.world_size = train.world_size
+        self.backend_name = train.backend
+        # ranks that run the same rows: a Megatron replica's tensor-parallel ranks (consecutive, Megatron's layout)
+        self.replica_size = train.megatron.tensor_parallel_size if train.backend == "megatron" else 1
+        if self.world_size % self.replica_size:
+            raise ValueError(
+                f"train.world_size {self.world_size} is not a multiple of train.megatron.tensor_parallel_size "
+                f"{self.replica_size}"
+            )
         self.weight_sink_factory = weight_sink_factory
         self._stack = contextlib.ExitStack()
         self._failure: TrainerRankFailed | None = None
@@ -301,8 +317,9 @@ class RayTrainGroup:
             self._stack.close()
             raise
         logger.info(
-            "started %d FSDP2 trainer ranks on Ray (%s each) in %.1fs",
+            "started %d %s trainer ranks on Ray (%s each) in %.1fs",
             self.world_size,
+            {"fsdp2": "FSDP2", "megatron": "Megatron"}[self.backend_name],
             resources,
             time.perf_counter() - t0,
         )
@@ -315,7 +332,7 @@ class RayTrainGroup:
         """
         outputs = sorted(outputs)
         rows, shards = self._shards(batch)
-        parts = self._call("forward", per_rank=[(shard, outputs) for shard in shards])
+        parts = self._call("forward", per_rank=[(shard, outputs) for shard in shards])[:: self.replica_size]
         changes = {name: torch.cat([part[name][: len(r)] for part, r in zip(parts, rows)]) for name in outputs}
         return batch.replace(**changes)
 
@@ -416,9 +433,11 @@ class RayTrainGroup:
 
     # -- internals ---------------------------------------------------------------------------------
     def _shards(self, batch: TrainBatch) -> tuple[list[range], list[TrainBatch]]:
-        rows = shard_rows(batch.batch_size, self.world_size)
-        num_rows = max(1, len(rows[0]))  # rank 0 has the most rows; a rank never gets an empty batch
-        return rows, [pad_shard(batch, r, num_rows=num_rows) for r in rows]
+        """Each replica's rows and each rank's shard (its replica's rows, padded to the largest replica's)."""
+        rows = shard_rows(batch.batch_size, self.world_size // self.replica_size)
+        num_rows = max(1, len(rows[0]))  # replica 0 has the most rows; a rank never gets an empty batch
+        shards = [pad_shard(batch, r, num_rows=num_rows) for r in rows]
+        return rows, [shards[rank // self.replica_size] for rank in range(self.world_size)]
 
     def _objective_ref(self, objective: PolicyObjective) -> Any:
         if self._objective is None or self._objective[0] is not objective:

@@ -4,8 +4,10 @@ ranks of the current process group, with the same ``TrainBackend`` contract and 
 Rank layout: ``world = tensor_parallel_size * data_parallel_size``; Megatron's ``parallel_state`` groups the ranks
 (the tensor-parallel ranks of one replica are consecutive). Every rank of a tensor-parallel group runs the same rows;
 data-parallel replicas get their own rows and Megatron's ``DistributedDataParallel`` sums their gradients.
-Pipeline, expert and context parallelism, LoRA, a critic and routing replay are not wired into this backend yet
-(the constructor refuses them).
+MoE models (Qwen3-MoE) replay the engine's routing (R3) when the batch carries it: each router's top-k is the
+recorded experts where a token has them, with gating weights from the live logits (``RecordedTopK``). Pipeline,
+expert and context parallelism, LoRA and a critic are not wired into this backend yet (the constructor refuses the
+last two).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import copy
 import json
 import logging
 import shutil
+import warnings
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +32,7 @@ from miles.core.algorithms.objective import (
 )
 from miles.core.batch import TrainBatch, split_micro_batches
 from miles.core.log_probs import model_response_log_probs, packed_model_response_log_probs
+from miles.core.routing_replay import NOT_RECORDED, token_routing
 from miles.train.config import TrainConfig
 from miles.train.fsdp2.backend import WeightSink, drain_weights, ensure_process_group
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
@@ -38,6 +42,11 @@ from miles.train.megatron.cpu import apply_if_no_gpu
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
+
+# Megatron announces at import that it falls back to torch norms and local multi-tensor kernels without Apex /
+# Transformer Engine (always, on a CPU), and that a config default is deprecated: nothing a user can act on.
+for _message in (r".*(Apex|Transformer Engine).* not installed", r"full scope is deprecated"):
+    warnings.filterwarnings("ignore", message=_message, module=r"megatron\.")
 
 BLOCK_DIAGONAL_MASK = "miles_block_diagonal_mask"  # what CausalLMView attends with (see its docstring)
 
@@ -67,6 +76,38 @@ def init_parallel_state(tensor_parallel: int) -> None:
     torch.set_rng_state(rng)
 
 
+class RecordedTopK:
+    """A Megatron router's ``router_replay`` hook (the interface of ``megatron.core.transformer.moe.router_replay.
+    RouterReplay.get_replay_topk``) that routes each token to its recorded experts where it has them and lets the
+    live top-k decide where its row is -1; the scores of the chosen experts are gathered from the live ones, so the
+    router still gets gradients (softmax over the chosen logits = HF's softmax, top-k and renormalization).
+
+    Args:
+        target: [T, top_k] int expert ids in the router's token order, -1 rows unrecorded.
+    Raises: ValueError at the forward when the router sees another number of tokens.
+    """
+
+    def __init__(self, target: Tensor) -> None:
+        self.target = target
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        live_scores, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        target = self.target.to(device=live.device, dtype=live.dtype)
+        if target.shape != live.shape:
+            raise ValueError(
+                f"routing replay: a Megatron router sees {tuple(live.shape)} (tokens, top_k) but the routed experts "
+                f"give {tuple(target.shape)}"
+            )
+        known = (target >= 0).all(dim=-1, keepdim=True)  # [T, 1]
+        chosen = torch.where(known, target, live)
+        return scores.gather(1, chosen), chosen
+
+
+def megatron_routers(gpt: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Decoder layer index (0-based) -> the ``TopKRouter`` of that MoE layer; empty for a dense model."""
+    return {i: layer.mlp.router for i, layer in enumerate(gpt.decoder.layers) if hasattr(layer.mlp, "router")}
+
+
 class CausalLMView:
     """A Megatron ``GPTModel`` called the way ``miles.core.log_probs`` calls an HF causal LM.
 
@@ -74,12 +115,60 @@ class CausalLMView:
     returns an object with ``.logits`` [B, K, V] (V: the HF vocabulary; Megatron's padding rows dropped). Attention
     is causal and, with a 0/1 ``attention_mask``, never reaches padded keys; without one, a new sequence starts at
     each position id 0 (the packed layout) and attends only within itself: an explicit block-diagonal causal mask,
-    which Megatron's attention takes on every path (its name is ``BLOCK_DIAGONAL_MASK``).
+    which Megatron's attention takes on every path (its name is ``BLOCK_DIAGONAL_MASK``). Under sequence parallelism
+    the sequence is right-padded to a multiple of the tensor-parallel size with tokens nothing attends to.
+
+    Args:
+        model: the ``GPTModel`` (or its DDP wrapper); gpt: the ``GPTModel`` itself.
+        vocab_size: the HF vocabulary.
+        routed: R3, [T, num_layers, top_k] recorded experts in HF's token order (``token_routing``), replayed by
+            every MoE router of the forward; None routes live.
+    Raises: ValueError when ``routed`` does not fit the model's MoE layers (shape, expert ids).
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, vocab_size: int, *, gpt: torch.nn.Module | None = None, routed=None
+    ) -> None:
+        from megatron.core import parallel_state
+
         self.model, self.vocab_size = model, vocab_size
+        self.gpt = model if gpt is None else gpt
         self.config = SimpleNamespace(_attn_implementation=BLOCK_DIAGONAL_MASK)
+        self.sequence_parallel = self.gpt.config.sequence_parallel
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.routers = megatron_routers(self.gpt) if routed is not None else {}
+        self.routed = routed
+        if routed is not None:
+            self._check_routing(routed)
+
+    def _check_routing(self, routed: Tensor) -> None:
+        config = self.gpt.config
+        if not self.routers:
+            raise ValueError("routing replay: the batch carries routed experts but the model has no MoE router")
+        expected = (config.num_layers, config.moe_router_topk)
+        if routed.dim() != 3 or tuple(routed.shape[1:]) != expected:
+            raise ValueError(
+                f"routing replay: routed experts have shape {tuple(routed.shape)}, expected [tokens, num_layers, "
+                f"top_k] with (num_layers, top_k) = {expected} from the model's config"
+            )
+        low, high = int(routed.min()), int(routed.max())
+        if low < NOT_RECORDED or high >= config.num_moe_experts:
+            raise ValueError(
+                f"routing replay: routed expert ids span [{low}, {high}], but the model's routers have "
+                f"{config.num_moe_experts} experts (and -1 means unrecorded); was the routing recorded with this model?"
+            )
+
+    def _router_targets(self, batch: int, length: int, padded: int) -> dict[int, Tensor]:
+        """Each router's [tokens, top_k] target in Megatron's token order: sequence-major ([S, B] flattened), this
+        rank's sequence chunk under sequence parallelism, -1 for the padding."""
+        routed = self.routed.reshape(batch, length, *self.routed.shape[1:])
+        routed = torch.nn.functional.pad(routed, (0, 0, 0, 0, 0, padded - length), value=NOT_RECORDED)
+        routed = routed.transpose(0, 1).reshape(padded * batch, *routed.shape[2:])  # [S * B, layers, top_k]
+        if self.sequence_parallel:
+            chunk = padded // self.tp_size * batch
+            routed = routed[self.tp_rank * chunk : (self.tp_rank + 1) * chunk]
+        return {layer: routed[:, layer] for layer in self.routers}
 
     def __call__(
         self,
@@ -89,6 +178,27 @@ class CausalLMView:
         logits_to_keep: int | Tensor = 0,
         **_flash_kwargs: Any,
     ) -> SimpleNamespace:
+        batch, length = input_ids.shape
+        multiple = self.tp_size if self.sequence_parallel else 1
+        padded = -(-length // multiple) * multiple
+        if padded != length:  # tokens past the end: masked as keys, their own sequence when packed
+            extra = padded - length
+            input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+            if attention_mask is not None:
+                attention_mask = torch.nn.functional.pad(attention_mask, (0, extra))
+            elif position_ids is not None:
+                position_ids = torch.cat([position_ids, torch.arange(extra).expand(batch, extra)], dim=1)
+        targets = self._router_targets(batch, length, padded) if self.routed is not None else {}
+        logits = self._forward(input_ids, attention_mask, position_ids, targets)[:, :length]
+        if isinstance(logits_to_keep, Tensor):
+            logits = logits[:, logits_to_keep]
+        elif logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return SimpleNamespace(logits=logits)
+
+    def _forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None, targets: dict
+    ) -> Tensor:
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device)
         masked = positions[None, :] > positions[:, None]  # [L, L], True = may not attend (Megatron's convention)
@@ -101,12 +211,13 @@ class CausalLMView:
             masked = masked[None, None] | (sequence[:, None, :, None] != sequence[:, None, None, :])
         if masked.dim() == 2:
             masked = masked[None, None]
-        logits = self.model(input_ids, position_ids, masked)[..., : self.vocab_size]  # [B, L, V]
-        if isinstance(logits_to_keep, Tensor):
-            logits = logits[:, logits_to_keep]
-        elif logits_to_keep:
-            logits = logits[:, -logits_to_keep:]
-        return SimpleNamespace(logits=logits)
+        for layer, target in targets.items():
+            self.routers[layer].router_replay = RecordedTopK(target)
+        try:
+            return self.model(input_ids, position_ids, masked)[..., : self.vocab_size]  # [B, L, V]
+        finally:
+            for router in self.routers.values():
+                router.router_replay = None
 
 
 class MegatronBackend:
@@ -184,14 +295,15 @@ class MegatronBackend:
     def _build(self, path: str | Path, *, frozen: bool = False) -> torch.nn.Module:
         """A ``GPTModel`` holding this rank's shards of the HF model at ``path``."""
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         from megatron.core.transformer import TransformerConfig
 
         hf_config = self.hf_config if Path(path) == self.model_path else _hf_config(path)
         config = TransformerConfig(
             **convert.transformer_config_kwargs(hf_config, tensor_parallel=self.tensor_parallel, dtype=torch.float32)
         )
-        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+        # local (no Transformer Engine) dense or MoE layers per config.moe_layer_freq
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
         rng = torch.get_rng_state()  # Megatron's init draws are overwritten by the HF weights; keep the run's RNG
         model = GPTModel(
             config=config,
@@ -234,8 +346,9 @@ class MegatronBackend:
         packed = self.train_cfg.batch_layout == "packed"
         log_probs_fn = packed_model_response_log_probs if packed else model_response_log_probs
         gpt = self.gpt if model is self.model else model
+        routed = token_routing(mb, packed=packed) if mb.routed_experts is not None and self._replays(gpt) else None
         return log_probs_fn(
-            CausalLMView(model, gpt.hf_vocab_size),
+            CausalLMView(model, gpt.hf_vocab_size, gpt=gpt, routed=routed),
             mb.tokens,
             mb.attention_mask,
             mb.prompt_lengths,
@@ -243,6 +356,16 @@ class MegatronBackend:
             temperature=self.temperature if temperature is None else temperature,
             with_entropy=with_entropy,
         )
+
+    def _replays(self, gpt: torch.nn.Module) -> bool:
+        """R3: the policy replays the engine's routing, and a reference with the same MoE layout; a teacher (or a
+        reference of another architecture) routes itself."""
+        if gpt is self.gpt:
+            return True
+        if gpt is not self.ref_model:
+            return False
+        shape = lambda m: (m.config.num_layers, m.config.moe_router_topk, tuple(megatron_routers(m)))  # noqa: E731
+        return bool(megatron_routers(gpt)) and shape(gpt) == shape(self.gpt)
 
     @torch.no_grad()
     def forward(self, batch: TrainBatch, *, outputs: Collection[str]) -> TrainBatch:

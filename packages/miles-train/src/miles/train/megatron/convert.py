@@ -1,18 +1,22 @@
 """HF causal LMs <-> Megatron-core ``GPTModel``: the model config, parameter names and layouts, tensor-parallel shards.
 
-Supported HF architectures (dense decoders): ``llama``, ``mistral`` (without a sliding window), ``qwen2`` (q/k/v
-biases) and ``qwen3`` (per-head q/k RMSNorm). Layouts that differ between the two sides:
+Supported HF architectures: the dense decoders ``llama``, ``mistral`` (without a sliding window), ``qwen2`` (q/k/v
+biases), ``qwen3`` (per-head q/k RMSNorm), and the MoE decoder ``qwen3_moe`` (softmax top-k router, dense layers
+where ``mlp_only_layers`` / ``decoder_sparse_step`` say). Layouts that differ between the two sides:
 
 - attention: HF ``q_proj`` [H*d, h], ``k_proj``/``v_proj`` [G*d, h] -> Megatron ``linear_qkv`` [G*(H/G + 2)*d, h],
   grouped per query group g as [q heads of g; k_g; v_g] (biases the same way);
 - MLP: HF ``gate_proj``/``up_proj`` [f, h] -> ``linear_fc1`` [2f, h] = [gate; up] (Megatron's gated linear unit
   computes act(x W1[:f]) * (x W1[f:]));
+- MoE experts: HF ``mlp.experts.gate_up_proj`` [E, 2f, h] / ``down_proj`` [E, h, f] (transformers 5 holds each
+  layer's experts fused) -> ``mlp.experts.local_experts.<e>.linear_fc1`` [2f, h] / ``linear_fc2`` [h, f]; the router
+  ``mlp.gate`` -> ``mlp.router``;
 - vocabulary: padded with zero rows to a multiple of the tensor-parallel size (``padded_vocab_size``); the padding is
   dropped from the logits and from the weights sent back to HF;
 - tied embeddings: one ``embedding.word_embeddings.weight``, no ``output_layer`` (HF ``tie_word_embeddings``).
 
-Names are those of Megatron's local layer spec (``get_gpt_layer_local_spec``: separate ``input_layernorm`` and
-``pre_mlp_layernorm`` modules).
+Names are those of Megatron's local layer specs (``get_gpt_decoder_block_spec(use_transformer_engine=False)``:
+separate ``input_layernorm`` and ``pre_mlp_layernorm`` modules, ``SequentialMLP`` experts).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF names inside model.layers.<i>. whose tensor is copied as is -> Megatron names inside decoder.layers.<i>.
@@ -35,6 +39,7 @@ _LAYER_RENAMES = {
     "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
     "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    "mlp.gate.weight": "mlp.router.weight",
 }
 _TOP_RENAMES = {"model.norm.weight": "decoder.final_layernorm.weight", "lm_head.weight": "output_layer.weight"}
 _EMBEDDING = "embedding.word_embeddings.weight"
@@ -66,6 +71,19 @@ def check_supported(hf_config: Any) -> None:
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("train.backend megatron: MLP biases are not converted yet; use --train.backend fsdp2")
     _rope_theta(hf_config)
+
+
+def is_moe(hf_config: Any) -> bool:
+    return hf_config.model_type == "qwen3_moe"
+
+
+def moe_layers(hf_config: Any) -> list[int]:
+    """1 for each decoder layer with experts, 0 for a dense one (Qwen3-MoE's rule; Megatron's ``moe_layer_freq``)."""
+    if not is_moe(hf_config):
+        return [0] * hf_config.num_hidden_layers
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
 
 
 def head_dim(hf_config: Any) -> int:
@@ -109,11 +127,12 @@ def transformer_config_kwargs(hf_config: Any, *, tensor_parallel: int, dtype: to
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=has_qkv_bias(hf_config),
-        qk_layernorm=hf_config.model_type == "qwen3",
+        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
-        sequence_parallel=False,
+        # Megatron's MoE layers need sequence parallelism at tensor parallelism > 1
+        sequence_parallel=is_moe(hf_config) and tensor_parallel > 1,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -123,6 +142,26 @@ def transformer_config_kwargs(hf_config: Any, *, tensor_parallel: int, dtype: to
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **(_moe_kwargs(hf_config) if is_moe(hf_config) else {}),
+    )
+
+
+def _moe_kwargs(hf_config: Any) -> dict[str, Any]:
+    """Qwen3-MoE's router and experts in Megatron's terms: softmax over the top-k logits equals HF's softmax, top-k
+    and renormalization (``norm_topk_prob``); without renormalization the softmax runs before the top-k. No auxiliary
+    load-balancing loss (the RL objective is the whole loss, as in the FSDP2 backend) and no token dropping."""
+    return dict(
+        num_moe_experts=hf_config.num_experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_layer_freq=moe_layers(hf_config),
+        moe_router_pre_softmax=not hf_config.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
     )
 
 
@@ -189,6 +228,10 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config: Any, *, tensor_par
             hf = f"model.layers.{layer}.self_attn."
             fused = _fuse_qkv(tensor, hf_state[f"{hf}k_proj.{kind}"], hf_state[f"{hf}v_proj.{kind}"], groups)
             out[prefix + f"self_attention.linear_qkv.{kind}"] = fused
+        elif rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            fc = "linear_fc1" if rest.endswith("gate_up_proj") else "linear_fc2"
+            for expert, weight in enumerate(tensor):
+                out[prefix + f"mlp.experts.local_experts.{expert}.{fc}.weight"] = weight
         elif rest == "mlp.gate_proj.weight":
             up = hf_state[f"model.layers.{layer}.mlp.up_proj.weight"]
             out[prefix + "mlp.linear_fc1.weight"] = torch.cat([tensor, up])
@@ -210,6 +253,7 @@ def megatron_to_hf(named: Iterable[tuple[str, Tensor]], hf_config: Any) -> Itera
     vocab = hf_config.vocab_size
     hf_layer = {v: k for k, v in _LAYER_RENAMES.items()}
     hf_top = {v: k for k, v in _TOP_RENAMES.items()}
+    experts: dict[str, list[Tensor]] = {}  # HF name -> the layer's experts so far (yielded stacked once complete)
     for name, tensor in named:
         if name == _EMBEDDING:
             yield "model.embed_tokens.weight", tensor[:vocab]
@@ -222,7 +266,16 @@ def megatron_to_hf(named: Iterable[tuple[str, Tensor]], hf_config: Any) -> Itera
             raise ValueError(f"train.backend megatron: no HF name for Megatron tensor {name!r}")
         layer, rest = match.groups()
         prefix = f"model.layers.{layer}."
-        if rest in hf_layer:
+        expert = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$", rest)
+        if expert is not None:
+            hf_name = prefix + ("mlp.experts.gate_up_proj" if expert[2] == "linear_fc1" else "mlp.experts.down_proj")
+            stacked = experts.setdefault(hf_name, [])
+            if int(expert[1]) != len(stacked):
+                raise ValueError(f"train.backend megatron: expert tensors out of order at {name!r}")
+            stacked.append(tensor)
+            if len(stacked) == hf_config.num_experts:
+                yield hf_name, torch.stack(experts.pop(hf_name))
+        elif rest in hf_layer:
             yield prefix + hf_layer[rest], tensor
         elif rest.startswith("self_attention.linear_qkv."):
             kind = rest.rsplit(".", 1)[1]
@@ -234,6 +287,8 @@ def megatron_to_hf(named: Iterable[tuple[str, Tensor]], hf_config: Any) -> Itera
             yield prefix + "mlp.up_proj.weight", up
         else:
             raise ValueError(f"train.backend megatron: no HF name for Megatron tensor {name!r}")
+    if experts:
+        raise ValueError(f"train.backend megatron: incomplete experts of {sorted(experts)[:2]}")
 
 
 # -- tensor-parallel shards -----------------------------------------------------------------------------------------

@@ -12,6 +12,15 @@ What it changes, and why (each was found by running ``GPTModel`` forward/backwar
    changed by the redirect.
 3. ``megatron.core.utils.GlobalMemoryBuffer.get_tensor`` allocates on the CPU (it names the CUDA device itself).
 
+Two more fill gaps of megatron-core without Transformer Engine or Apex (which have no CPU build), for MoE layers:
+
+4. ``moe.moe_utils.te_general_gemm = None`` where the name is missing: the router's gating reads it unconditionally
+   and it is only bound when Transformer Engine imports (a NameError otherwise).
+5. Torch norms under sequence parallelism (which Megatron requires for MoE layers at tensor parallelism > 1):
+   ``WrappedTorchNorm`` refuses ``sequence_parallel``; it is built without it and its parameters are tagged
+   ``sequence_parallel`` instead, so ``finalize_model_grads`` sums their partial gradients over the tensor-parallel
+   ranks, as it does for Apex / Transformer Engine norms.
+
 Nothing else is touched: the model, its parallel layers, collectives (gloo), DDP and ``finalize_model_grads`` are
 Megatron's own code.
 """
@@ -19,6 +28,7 @@ Megatron's own code.
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 from collections.abc import Iterator
 from functools import reduce
@@ -85,6 +95,27 @@ def _cpu_buffer_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) 
     return buffer[0:required].view(*tensor_shape)
 
 
+def _sequence_parallel_norm(build):
+    """``WrappedTorchNorm.__new__`` that accepts ``config.sequence_parallel`` (see 5. above)."""
+
+    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, hidden_size, eps, **kwargs)
+        norm = build(cls, _without_sp(config), hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return new
+
+
+def _without_sp(config):
+    """A shallow copy of a ``TransformerConfig`` with ``sequence_parallel`` off."""
+    plain = copy.copy(config)
+    object.__setattr__(plain, "sequence_parallel", False)
+    return plain
+
+
 def apply_if_no_gpu() -> bool:
     """Apply the CPU redirects above once per process if there is no CUDA device; returns whether they are active.
 
@@ -103,5 +134,11 @@ def apply_if_no_gpu() -> bool:
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     megatron_utils.GlobalMemoryBuffer.get_tensor = _cpu_buffer_tensor
     torch.cuda.current_device = lambda: torch.device("cpu")
+    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(_sequence_parallel_norm(torch_norm.WrappedTorchNorm.__new__))
     _applied = True
     return True

@@ -1,0 +1,176 @@
+"""Megatron-core backend on a tiny Qwen3-MoE (CPU, gloo): the MoE conversion, and routing replay (R3) with the same
+semantics as the FSDP2 trainer's. Rollouts of the embedded engine carry their routing into the batch; with replay
+Megatron's log-probs equal the engine's, and with perturbed routers Megatron and FSDP2 replay to the same
+log-probs and gradients."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from miles.core.algorithms.objective import LossCounts, PolicyObjective
+from miles.core.batch import build_train_batch
+from miles.core.config import AlgorithmConfig, SamplingConfig
+from miles.core.protocols import GenerateRequest
+from miles.core.sample import Sample
+from miles.rollout.engines.embedded import EmbeddedEngine
+from miles.train import FSDP2Backend, TrainConfig
+from moe_models import EOS, VOCAB, save_moe_model
+
+pytest.importorskip("megatron.core")
+
+from miles.train.megatron import CausalLMView, MegatronBackend  # noqa: E402
+
+OBJECTIVE = PolicyObjective(AlgorithmConfig(), max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return save_moe_model("qwen3_moe", tmp_path_factory.mktemp("tiny_qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(moe_dir, tmp_path_factory):
+    """The same model with its routers moved by N(0, 0.03): enough to change some tokens' experts."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.add_(torch.randn(param.shape, generator=gen) * 0.03)
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe_perturbed")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def rollout(moe_dir):
+    """8 samples (4 prompts x 2) of the embedded engine with their routing."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (4 + i,), generator=gen).tolist() for i in range(4)]
+    engine = EmbeddedEngine(moe_dir, stop_token_ids=[EOS], routed_experts=True)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    requests = [GenerateRequest(p, sampling, seed=10 * i + j) for i, p in enumerate(prompts) for j in range(2)]
+    outputs = engine.generate_batch(requests)
+    engine.close()
+    samples = [
+        Sample(
+            index=i,
+            group_index=i // 2,
+            prompt="",
+            tokens=r.prompt_tokens + o.response_tokens,
+            response_length=len(o.response_tokens),
+            rollout_log_probs=o.log_probs,
+            loss_mask=[1] * len(o.response_tokens),
+            rollout_routed_experts=o.routed_experts,
+        )
+        for i, (r, o) in enumerate(zip(requests, outputs))
+    ]
+    return build_train_batch(samples, torch.tensor([1.0, -1.0] * 4), pad_token_id=0)
+
+
+def _megatron(path, layout="packed", **train) -> MegatronBackend:
+    train = TrainConfig(backend="megatron", batch_layout=layout, **{"micro_batch_size": 4, **train})
+    return MegatronBackend(path, train=train, temperature=1.0)
+
+
+def _gap(batch, log_probs) -> float:
+    mask = batch.loss_mask.bool()
+    return float((log_probs - batch.rollout_log_probs)[mask].abs().mean())
+
+
+def test_megatron_moe_logits_equal_the_hf_model_and_experts_convert_back_exactly(moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    backend = _megatron(moe_dir)
+    assert sorted(n for n, _ in backend.gpt.named_parameters() if n.endswith("router.weight")) == [
+        "decoder.layers.1.mlp.router.weight",
+        "decoder.layers.2.mlp.router.weight",
+    ]  # layer 0 is dense (mlp_only_layers)
+    hf = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        got = CausalLMView(backend.gpt, VOCAB)(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    exported, state = dict(backend.export_weights()), hf.state_dict()
+    assert exported.keys() == state.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, state[name]), name
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_with_replay_megatron_log_probs_equal_the_engines(moe_dir, rollout, layout):
+    assert rollout.routed_experts is not None and rollout.routed_experts.shape[2:] == (3, 2)
+    replayed = _megatron(moe_dir, layout).forward(rollout, outputs={"old_log_probs"}).old_log_probs
+    mask = rollout.loss_mask.bool()
+    torch.testing.assert_close(replayed[mask], rollout.rollout_log_probs[mask], atol=1e-5, rtol=0)
+
+
+def test_with_perturbed_routers_megatron_replays_as_fsdp2_does_and_closes_the_gap(perturbed_dir, rollout):
+    """The trainer's routers differ from the engine's: replay gives Megatron and FSDP2 the same log-probs and the
+    same gradients (the routers' included: gating weights come from the live logits), and a smaller gap to the
+    engine than routing live."""
+    megatron = _megatron(perturbed_dir, lr=1e-2)
+    fsdp2 = FSDP2Backend(
+        perturbed_dir, train=TrainConfig(micro_batch_size=4, batch_layout="packed", lr=1e-2), temperature=1.0
+    )
+    live = rollout.replace(routed_experts=None)
+    mask = rollout.loss_mask.bool()
+    m_replay = megatron.forward(rollout, outputs={"old_log_probs"}).old_log_probs
+    f_replay = fsdp2.forward(rollout, outputs={"old_log_probs"}).old_log_probs
+    torch.testing.assert_close(m_replay[mask], f_replay[mask], atol=1e-5, rtol=0)
+    m_live = megatron.forward(live, outputs={"old_log_probs"}).old_log_probs
+    assert _gap(live, m_live) > 1e-3  # the routers' change shows in the log-probs
+    assert (m_replay - m_live)[mask].abs().max() > 1e-3  # replay changed some tokens' experts
+    # smaller, not much smaller: Qwen3-MoE's gating weights are a softmax of the (perturbed) logits either way
+    assert _gap(rollout, m_replay) < _gap(live, m_live)
+    batch = rollout.replace(old_log_probs=rollout.rollout_log_probs)
+    for backend in (megatron, fsdp2):
+        backend.metrics = backend.forward_backward(batch, OBJECTIVE, LossCounts.of(batch))
+    for key, value in fsdp2.metrics.items():
+        assert megatron.metrics[key] == pytest.approx(value, abs=1e-5), key
+    f_grads, m_grads = fsdp2.full_gradients(), megatron.full_gradients()
+    assert any(name.endswith("mlp.gate.weight") and grad.abs().sum() > 0 for name, grad in m_grads.items())
+    for name, grad in f_grads.items():
+        torch.testing.assert_close(m_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_routing_that_does_not_fit_the_model_is_refused_naming_the_shape(moe_dir, rollout):
+    backend = _megatron(moe_dir)
+    bad = rollout.replace(routed_experts=rollout.routed_experts.clamp(min=0) + 8)
+    with pytest.raises(ValueError, match=r"routed expert ids span \[8, .*8 experts"):
+        backend.forward(bad, outputs={"old_log_probs"})
+
+
+@pytest.mark.integration
+def test_tensor_parallel_2_with_sequence_parallel_experts_equals_one_rank(moe_dir, rollout, tmp_path):
+    """TP=2 on the MoE model (sequence parallelism on, experts split over both ranks, the packed row padded to an
+    even length) replaying the engine's routing: log-probs, metrics, gradients and a step equal one rank's."""
+    batch_file = tmp_path / "batch.pt"
+    batch = rollout.replace(old_log_probs=rollout.rollout_log_probs)
+    torch.save(batch, batch_file)
+    worker = Path(__file__).parent / "megatron_worker.py"
+    out = tmp_path / "rank0.pt"
+    args = [str(tmp_path / "init"), str(moe_dir), str(out), "2", "packed", str(batch_file)]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", *args], cwd=worker.parent) for r in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    result = torch.load(out, weights_only=False)
+    single = _megatron(moe_dir, micro_batch_size=2, lr=1e-2, adam_eps=1e-4)  # the worker's settings
+    mask = batch.loss_mask.bool()
+    lp = single.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    torch.testing.assert_close(result["log_probs"][mask], lp[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp[mask], batch.rollout_log_probs[mask], atol=1e-5, rtol=0)  # replayed
+    metrics = single.forward_backward(batch, OBJECTIVE, LossCounts.of(batch))
+    for key, value in metrics.items():
+        assert result["metrics"][key] == pytest.approx(value, abs=1e-5), key
+    for name, grad in single.full_gradients().items():
+        torch.testing.assert_close(result["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    single.optimizer_step()
+    # atol 1e-5: the gradients agree to ~1e-6 (sequence-parallel reductions round differently), which the first
+    # AdamW step (~lr * g / (|g| + eps), lr 1e-2, eps 1e-4) can scale by up to lr / eps = 100 for small entries
+    for name, tensor in single.full_state_dict().items():
+        torch.testing.assert_close(result["state"][name], tensor, atol=1e-5, rtol=0, msg=name)
