@@ -4,12 +4,15 @@ backend (fp32, CPU), the engine following its pushes, a KL reference, and an exa
 import json
 
 import pytest
+import torch
 import yaml
 from miles.recipes.cli import resolve_config
-from miles.recipes.run import run
+from miles.recipes.run import RunSetupError, run
+from moe_models import save_moe_model
 from tiny_runs import TINY_RUN_PATH, tiny_run
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="train.backend megatron trains on the CPU only")
 
 OVERRIDES = [
     *tiny_run(data_size=32, num_steps=3),
@@ -42,7 +45,8 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
     assert config["train"]["backend"] == "megatron" and config["train"]["dtype"] == "fp32"  # auto -> fp32, logged
     assert "train.dtype auto -> fp32: train.backend megatron" in (tmp_path / "whole" / "train.log").read_text()
     checkpoint = tmp_path / "whole" / "checkpoints" / "step_2"
-    assert (checkpoint / "optimizer" / "tp0.pt").is_file() and (checkpoint / "model" / "model.safetensors").is_file()
+    assert (checkpoint / "optimizer" / "tp0_ep0.pt").is_file()
+    assert (checkpoint / "model" / "model.safetensors").is_file()
 
     # Stop after step 2, resume: step 3 equals the uninterrupted run's.
     run(resolve_config("smollm2_grpo_arithmetic", [*args, "--loop.num-steps", "2"]), tmp_path / "cut")
@@ -58,9 +62,20 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
     [
         (["--train.lora.rank", "4"], "does not support train.lora \\(LoRA\\) yet: use --train.lora off"),
         (["--train.dtype", "bf16"], "does not support train.dtype bf16 yet"),
-        (["--train.megatron.tensor-parallel-size", "2"], "tensor_parallel_size is 2 but train.world_size is 1"),
+        (
+            ["--train.megatron.tensor-parallel-size", "2"],
+            "tensor_parallel_size is 2 and expert_parallel_size 1 but train.world_size is 1",
+        ),
     ],
 )
 def test_what_megatron_does_not_hold_yet_is_refused_before_any_model_loads(tiny_smollm2_dir, extra, message):
     with pytest.raises(ValueError, match=message):
         resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES, *extra])
+
+
+def test_a_model_megatron_cannot_convert_is_refused_before_any_engine_starts(tmp_path):
+    deepseek = save_moe_model("deepseek_v3", tmp_path / "deepseek_v3")
+    cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(deepseek), *OVERRIDES])
+    with pytest.raises(RunSetupError, match=r"models.policy.path \(.*\): .*model type 'deepseek_v3' has no Megatron"):
+        run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -108,7 +108,7 @@ def _nested(flat: dict) -> dict:
         **flat["train"],
         "lora": None,
         "backend": "fsdp2",
-        "megatron": {"tensor_parallel_size": 1},
+        "megatron": {"tensor_parallel_size": 1, "expert_parallel_size": 1},
     }
     return tree
 

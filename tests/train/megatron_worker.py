@@ -1,5 +1,5 @@
 """Worker for the two-rank Megatron tests; run as a script:
-python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL LAYOUT [BATCH_FILE].
+python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL[xEXPERT_PARALLEL] LAYOUT [BATCH_FILE].
 
 Every rank: log-probs of the whole batch, forward_backward of its replica's rows with the global loss counts, full
 gradients, one optimizer step, a push into rank 0's recording sink, the full state and a checkpoint; rank 0 saves
@@ -18,7 +18,7 @@ def main(
     init_file: str,
     model_dir: str,
     out: str,
-    tensor_parallel: int,
+    parallel: str,
     layout: str,
     batch_file: str | None = None,
 ) -> None:
@@ -31,9 +31,10 @@ def main(
     from miles.train import TrainConfig
     from miles.train.megatron import MegatronBackend
 
+    tensor_parallel, expert_parallel = (int(size) for size in (parallel + "x1").split("x")[:2])
     train = TrainConfig(
         backend="megatron",
-        megatron={"tensor_parallel_size": tensor_parallel},
+        megatron={"tensor_parallel_size": tensor_parallel, "expert_parallel_size": expert_parallel},
         micro_batch_size=2,
         batch_layout=layout,
         lr=1e-2,
@@ -42,13 +43,21 @@ def main(
     sink = RecordingSink() if rank == 0 else None
     backend = MegatronBackend(model_dir, train=train, temperature=1.0, weight_sink=sink)
     objective = PolicyObjective(AlgorithmConfig(), max_new_tokens=8)
-    batch = make_batch() if batch_file is None else torch.load(batch_file, weights_only=False)
+    batch = make_batch()
+    if batch_file is not None:  # the TrainBatch's tensors (no pickled objects: see tests/test_security.py)
+        from miles.core.batch import TrainBatch
+
+        batch = TrainBatch(**torch.load(batch_file, weights_only=True))
     log_probs = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
     replicas = world // tensor_parallel
     replica = rank // tensor_parallel  # Megatron's layout: a replica's tensor-parallel ranks are consecutive
     rows = batch.batch_size // replicas
     shard = batch.slice(replica * rows, (replica + 1) * rows)
-    metrics = backend.forward_backward(shard, objective, LossCounts.of(batch))
+    # two accumulations before the step (the global counts in both): Megatron's gradient finalization must run once
+    half = shard.batch_size // 2
+    first = backend.forward_backward(shard.slice(0, half), objective, LossCounts.of(batch))
+    second = backend.forward_backward(shard.slice(half, shard.batch_size), objective, LossCounts.of(batch))
+    metrics = {key: first[key] + second[key] for key in ("loss", "loss/pg")}
     grads = backend.full_gradients()
     step = backend.optimizer_step()
     backend.push_weights(1)
@@ -71,5 +80,5 @@ def main(
 
 
 if __name__ == "__main__":
-    rank, world, init_file, model_dir, out, tensor_parallel, layout = sys.argv[1:8]
-    main(int(rank), int(world), init_file, model_dir, out, int(tensor_parallel), layout, *sys.argv[8:9])
+    rank, world, init_file, model_dir, out, parallel, layout = sys.argv[1:8]
+    main(int(rank), int(world), init_file, model_dir, out, parallel, layout, *sys.argv[8:9])

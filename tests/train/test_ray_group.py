@@ -155,6 +155,29 @@ def test_pad_shard_fills_with_untrained_copies_of_the_shortest_row():
     assert empty.batch_size == 1 and not empty.loss_mask.any()
 
 
+def test_megatron_replicas_get_their_rows_on_every_tensor_parallel_rank_and_one_rank_answers_for_each():
+    """World 4 = TP 2 x 2 replicas (Megatron's layout: a replica's ranks are consecutive): ranks 0, 1 get replica
+    0's rows (3 of 5), ranks 2, 3 replica 1's (2, padded to 3); forward keeps one answer per replica, ranks 0 and 2."""
+    group = RayTrainGroup.__new__(RayTrainGroup)
+    group.world_size, group.replica_size = 4, 2
+    batch = _batch()
+    rows, shards = group._shards(batch)
+    assert rows == [range(0, 3), range(3, 5)]
+    assert [s.batch_size for s in shards] == [3, 3, 3, 3]
+    assert torch.equal(shards[0].tokens, shards[1].tokens) and torch.equal(shards[2].tokens, shards[3].tokens)
+    assert torch.equal(shards[2].tokens[:2], batch.tokens[3:5])
+
+    def answer(name, per_rank):  # each rank answers with its rank number in every cell
+        return [
+            {"old_log_probs": torch.full(shard.loss_mask.shape, float(rank))}
+            for rank, (shard, _) in enumerate(per_rank)
+        ]
+
+    group._call = answer
+    got = group.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    assert got[:, 0].tolist() == [0.0, 0.0, 0.0, 2.0, 2.0]
+
+
 def test_import_ray_names_the_install_command_when_ray_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     with pytest.raises(

@@ -156,12 +156,13 @@ class MilesConfig(BaseModel):
                     f"train.backend is 'megatron', which does not support {what} yet: use {fix}, or "
                     "--train.backend fsdp2"
                 )
-        tensor_parallel = train.megatron.tensor_parallel_size
-        if train.world_size % tensor_parallel:
+        tensor_parallel, expert_parallel = train.megatron.tensor_parallel_size, train.megatron.expert_parallel_size
+        if train.world_size % (tensor_parallel * expert_parallel):
             raise ValueError(
-                f"train.megatron.tensor_parallel_size is {tensor_parallel} but train.world_size is {train.world_size}: "
-                "the trainer's ranks are tensor_parallel_size x data-parallel replicas; set --train.megatron."
-                f"tensor-parallel-size to a divisor of {train.world_size}"
+                f"train.megatron.tensor_parallel_size is {tensor_parallel} and expert_parallel_size {expert_parallel} "
+                f"but train.world_size is {train.world_size}: the trainer's ranks are tensor_parallel_size x "
+                "data-parallel replicas, the replicas split the experts expert_parallel_size ways; pick sizes whose "
+                f"product divides {train.world_size}"
             )
 
     def _check_loop(self) -> None:

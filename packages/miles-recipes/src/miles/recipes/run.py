@@ -735,6 +735,8 @@ def run(
             data_source = PromptQueue(data_source)
         model_path = resolve_model_path(cfg.models.policy.path, key="models.policy.path")
         _check_room(cfg, run_dir, model_path=model_path, resume_from=resume_from)  # before any model loads
+        if cfg.train.backend == "megatron":  # from config.json alone, before any engine starts
+            _check_megatron_models(cfg, model_path)
         t0 = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         ray_mode = cfg.execution.mode == "ray"
@@ -986,6 +988,28 @@ def all_failed_message(err: AllSamplesFailed, reward: RewardConfig) -> str:
 def _shorten(text: str, limit: int = 200) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:
+    """Refuse, in one line, a policy, reference or teacher the Megatron backend cannot convert with
+    ``train.megatron``'s parallel sizes, or a missing megatron-core (``RunSetupError``)."""
+    from miles.train.megatron.convert import check_model_dir
+
+    paths = {"models.policy.path": model_path}
+    models = algorithm_models(cfg, model_path)
+    for key in ("reference", "teacher"):
+        if f"{key}_path" in models:
+            paths[f"models.{key}.path"] = models[f"{key}_path"]
+    for key, path in paths.items():
+        try:
+            check_model_dir(
+                path,
+                tensor_parallel=cfg.train.megatron.tensor_parallel_size,
+                expert_parallel=cfg.train.megatron.expert_parallel_size,
+                key=key,
+            )
+        except ValueError as err:
+            raise RunSetupError(str(err)) from None
 
 
 def _check_room(cfg: MilesConfig, run_dir: Path, *, model_path: Path, resume_from: Path | None) -> None:

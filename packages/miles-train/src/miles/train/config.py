@@ -51,6 +51,13 @@ class MegatronConfig(BaseModel):
         description="Ranks each layer's weights are split over (Megatron tensor parallelism); it must divide the "
         "attention and key/value heads and train.world_size. The other ranks are data-parallel replicas.",
     )
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks each MoE layer's experts are split over (Megatron expert parallelism; tokens reach their "
+        "experts through an all-gather); it must divide the experts per layer, and tensor_parallel_size x "
+        "expert_parallel_size must divide train.world_size. 1 for dense models.",
+    )
 
 
 class TrainConfig(BaseModel):

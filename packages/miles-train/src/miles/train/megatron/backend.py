@@ -51,26 +51,33 @@ for _message in (r".*(Apex|Transformer Engine).* not installed", r"full scope is
 BLOCK_DIAGONAL_MASK = "miles_block_diagonal_mask"  # what CausalLMView attends with (see its docstring)
 
 
-def init_parallel_state(tensor_parallel: int) -> None:
-    """Megatron's ``parallel_state`` over the current process group with ``tensor_parallel`` ranks per replica
-    (re-initialized when an earlier backend in this process used another size); seeds Megatron's RNG tracker.
+def init_parallel_state(tensor_parallel: int, expert_parallel: int = 1) -> None:
+    """Megatron's ``parallel_state`` over the current process group with ``tensor_parallel`` ranks per replica and
+    each MoE layer's experts split over ``expert_parallel`` ranks (re-initialized when an earlier backend in this
+    process used other sizes); seeds Megatron's RNG tracker.
 
-    Raises: ValueError when the world size is not a multiple of ``tensor_parallel``.
+    Raises: ValueError when the world size is not a multiple of ``tensor_parallel * expert_parallel``.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
-    if world % tensor_parallel:
+    if world % (tensor_parallel * expert_parallel):
         raise ValueError(
-            f"train.megatron.tensor_parallel_size {tensor_parallel} must divide the trainer's world size {world} "
-            "(train.world_size): world = tensor_parallel_size x data-parallel replicas"
+            f"train.megatron.tensor_parallel_size {tensor_parallel} x expert_parallel_size {expert_parallel} must "
+            f"divide the trainer's world size {world} (train.world_size): world = tensor_parallel_size x data-parallel "
+            "replicas, and the replicas hold the experts split expert_parallel_size ways"
         )
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
+        if (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        ) == (tensor_parallel, expert_parallel):
             return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel
+    )
     rng = torch.get_rng_state()
     model_parallel_cuda_manual_seed(1234)  # dropout is off: the tracker only has to exist; keep the run's RNG
     torch.set_rng_state(rng)
@@ -116,7 +123,9 @@ class CausalLMView:
     is causal and, with a 0/1 ``attention_mask``, never reaches padded keys; without one, a new sequence starts at
     each position id 0 (the packed layout) and attends only within itself: an explicit block-diagonal causal mask,
     which Megatron's attention takes on every path (its name is ``BLOCK_DIAGONAL_MASK``). Under sequence parallelism
-    the sequence is right-padded to a multiple of the tensor-parallel size with tokens nothing attends to.
+    the sequence is right-padded to a multiple of the tensor-parallel size, and under expert parallelism to the
+    longest of the expert-parallel ranks' (their MoE layers all-gather equal token counts), with tokens nothing
+    attends to. Collective over those ranks under expert parallelism (each rank must call it as often).
 
     Args:
         model: the ``GPTModel`` (or its DDP wrapper); gpt: the ``GPTModel`` itself.
@@ -135,6 +144,10 @@ class CausalLMView:
         self.gpt = model if gpt is None else gpt
         self.config = SimpleNamespace(_attn_implementation=BLOCK_DIAGONAL_MASK)
         self.sequence_parallel = self.gpt.config.sequence_parallel
+        # the ranks an MoE layer all-gathers tokens over: every forward must bring the same number of them
+        self.expert_group = None
+        if getattr(self.gpt.config, "num_moe_experts", None) and self.gpt.config.expert_model_parallel_size > 1:
+            self.expert_group = parallel_state.get_expert_tensor_and_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.routers = megatron_routers(self.gpt) if routed is not None else {}
@@ -180,7 +193,12 @@ class CausalLMView:
     ) -> SimpleNamespace:
         batch, length = input_ids.shape
         multiple = self.tp_size if self.sequence_parallel else 1
-        padded = -(-length // multiple) * multiple
+        longest = length
+        if self.expert_group is not None:  # expert-parallel ranks hold other replicas' rows: pad to the longest
+            longest_t = torch.tensor(length)
+            dist.all_reduce(longest_t, op=dist.ReduceOp.MAX, group=self.expert_group)
+            longest = int(longest_t)
+        padded = -(-longest // multiple) * multiple
         if padded != length:  # tokens past the end: masked as keys, their own sequence when packed
             extra = padded - length
             input_ids = torch.nn.functional.pad(input_ids, (0, extra))
@@ -204,20 +222,39 @@ class CausalLMView:
         masked = positions[None, :] > positions[:, None]  # [L, L], True = may not attend (Megatron's convention)
         if attention_mask is not None:
             masked = masked[None, None] | ~attention_mask.bool()[:, None, None, :]  # [B, 1, L, L]
+        rope = None
         if position_ids is None:
             position_ids = positions[None, :].expand(batch, length)
         elif attention_mask is None:
             sequence = (position_ids == 0).cumsum(dim=-1)  # [B, L], which packed sequence each token is in
             masked = masked[None, None] | (sequence[:, None, :, None] != sequence[:, None, None, :])
+            rope = getattr(self.gpt, "rotary_pos_emb", None)
         if masked.dim() == 2:
             masked = masked[None, None]
         for layer, target in targets.items():
             self.routers[layer].router_replay = RecordedTopK(target)
+        if rope is not None:  # each packed sequence rotated from its own position 0, as the engine rotates it
+            rope.forward = _rope_at(rope, position_ids)
         try:
             return self.model(input_ids, position_ids, masked)[..., : self.vocab_size]  # [B, L, V]
         finally:
             for router in self.routers.values():
                 router.router_replay = None
+            if rope is not None:
+                del rope.forward  # the class's forward again
+
+
+def _rope_at(rope: torch.nn.Module, position_ids: Tensor):
+    """A ``RotaryEmbedding.forward`` returning the rotary table at ``position_ids`` ([1, N]: one packed row) rather
+    than at 0..N-1, which ``GPTModel`` asks for: RoPE is relative, so both give the same attention in exact
+    arithmetic, but the angles of a late packed sequence would be computed (and rounded) at large positions."""
+    table_forward = type(rope).forward
+
+    def forward(max_seq_len: int, *args, **kwargs) -> Tensor:
+        table = table_forward(rope, int(position_ids.max()) + 1, *args, **kwargs)  # [P, 1, 1, d]
+        return table[position_ids[0]]  # [N, 1, 1, d]
+
+    return forward
 
 
 class MegatronBackend:
@@ -253,15 +290,23 @@ class MegatronBackend:
             (train.lora is not None, "train.lora (LoRA)"),
             (critic_path is not None, "a critic (advantage gae)"),
             (train.dtype == "bf16", "train.dtype bf16"),
+            (torch.cuda.is_available(), "CUDA devices (it trains on the CPU; run with CUDA_VISIBLE_DEVICES=)"),
         ):
             if refused:
                 raise ValueError(f"train.backend megatron does not support {what} yet; use --train.backend fsdp2")
         ensure_process_group()
         self.cpu_compat = apply_if_no_gpu()
         self.tensor_parallel = train.megatron.tensor_parallel_size
-        init_parallel_state(self.tensor_parallel)
+        self.expert_parallel = train.megatron.expert_parallel_size
+        init_parallel_state(self.tensor_parallel, self.expert_parallel)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        # experts: split over the expert-parallel ranks, each expert's weights over the expert-tensor-parallel ones
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.etp_group = parallel_state.get_expert_tensor_parallel_group()
+        self.etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+        self.etp_size = parallel_state.get_expert_tensor_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.rank = dist.get_rank()
@@ -291,6 +336,7 @@ class MegatronBackend:
         self.step = 0
         self.num_skipped_steps = 0
         self._pending_loss = 0.0
+        self._grads_final = True
 
     def _build(self, path: str | Path, *, frozen: bool = False) -> torch.nn.Module:
         """A ``GPTModel`` holding this rank's shards of the HF model at ``path``."""
@@ -300,7 +346,12 @@ class MegatronBackend:
 
         hf_config = self.hf_config if Path(path) == self.model_path else _hf_config(path)
         config = TransformerConfig(
-            **convert.transformer_config_kwargs(hf_config, tensor_parallel=self.tensor_parallel, dtype=torch.float32)
+            **convert.transformer_config_kwargs(
+                hf_config,
+                tensor_parallel=self.tensor_parallel,
+                expert_parallel=self.expert_parallel,
+                dtype=torch.float32,
+            )
         )
         # local (no Transformer Engine) dense or MoE layers per config.moe_layer_freq
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
@@ -318,18 +369,30 @@ class MegatronBackend:
         return model
 
     def _load_hf(self, model: torch.nn.Module, hf_state: dict[str, Tensor], hf_config: Any) -> None:
-        """Copy this rank's shards of an HF state dict into ``model``. Raises: ValueError naming missing/extra."""
+        """Copy this rank's shards of an HF state dict into ``model`` (its experts: the ones its expert-parallel
+        rank holds). Raises: ValueError naming missing or unexpected tensors."""
         full = convert.hf_to_megatron(hf_state, hf_config, tensor_parallel=self.tensor_parallel)
         params = dict(model.named_parameters())
-        if set(full) != set(params):
+        offset = self.ep_rank * hf_config.num_experts // self.expert_parallel if convert.is_moe(hf_config) else 0
+        wanted = {name: convert.global_expert_name(name, offset) for name in params}
+        missing = sorted(g for g in wanted.values() if g not in full)
+        unexpected = sorted(set(full) - set(wanted.values()) - {n for n in full if convert.is_expert_name(n)})
+        if missing or unexpected:
             raise ValueError(
-                f"train.backend megatron: converted weights do not match the Megatron model: missing "
-                f"{sorted(set(params) - set(full))[:3]}, unexpected {sorted(set(full) - set(params))[:3]}"
+                f"train.backend megatron: converted weights do not match the Megatron model: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
             )
         with torch.no_grad():
             for name, param in params.items():
-                shard = convert.shard_of(full[name], param, rank=self.tp_rank, world=self.tensor_parallel)
-                param.copy_(shard)
+                rank, world, _ = self._tp_layout(name)
+                param.copy_(convert.shard_of(full[wanted[name]], param, rank=rank, world=world))
+
+    def _tp_layout(self, name: str) -> tuple[int, int, Any]:
+        """(rank, size, group) of the ranks parameter ``name`` is tensor-parallel over: an expert's over the
+        expert-tensor-parallel ranks, every other parameter's over the tensor-parallel ranks."""
+        if convert.is_expert_name(name):
+            return self.etp_rank, self.etp_size, self.etp_group
+        return self.tp_rank, self.tensor_parallel, self.tp_group
 
     # -- forward -------------------------------------------------------------------------------
     @property
@@ -399,8 +462,6 @@ class MegatronBackend:
         Returns: global metrics, reduced over the data-parallel replicas.
         Raises: ValueError when ``counts`` are this replica's rather than the global batch's.
         """
-        from megatron.core.distributed import finalize_model_grads
-
         def backward(loss: Tensor, i: int, num_micro_batches: int) -> None:
             (loss * self.dp_size).backward()  # DDP averages over replicas; the loss already divides by global counts
 
@@ -413,10 +474,20 @@ class MegatronBackend:
             log_probs_fn=lambda mb: self._log_probs(self.model, mb, with_entropy=True),
             backward=backward,
         )
-        finalize_model_grads([self.model])
+        self._grads_final = False  # finalized once before they are read: it sums some over ranks, not idempotent
         metrics = reduce_policy_metrics(objective, sums, counts, all_reduce=self._dp_all_reduce)
         self._pending_loss = metrics["loss"]
         return metrics
+
+    def _finalize_grads(self) -> None:
+        """Megatron's ``finalize_model_grads`` once per accumulation: the replicas' gradient sum (DDP), and the sum
+        over tensor-parallel ranks of the gradients of parameters each holds whole but sees part of the tokens of
+        (norms and routers under sequence parallelism, q/k norms). Collective."""
+        from megatron.core.distributed import finalize_model_grads
+
+        if not self._grads_final:
+            finalize_model_grads([self.model])
+            self._grads_final = True
 
     def _dp_all_reduce(self, totals: Tensor, op: str) -> Tensor:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.dp_group)
@@ -425,17 +496,24 @@ class MegatronBackend:
     def _clip_grads(self, max_norm: float) -> Tensor:
         """Global L2 norm of the gradients (each tensor-parallel shard once, replicated parameters once), then scale
         them to at most ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does. Collective over the TP group."""
+        from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        grads = [p.grad for p in self.gpt.parameters() if p.grad is not None]
-        counted = [
-            p.grad.float().pow(2).sum()
-            for p in self.gpt.parameters()
-            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)
-        ]
-        squares = torch.stack(counted).sum() if counted else torch.zeros(())
-        dist.all_reduce(squares, group=self.tp_group)
-        norm = squares.sqrt()
+        named = [(n, p) for n, p in self.gpt.named_parameters() if p.grad is not None]
+        grads = [p.grad for _, p in named]
+        # dense: each tensor-parallel shard once (replicated parameters on TP rank 0), summed over the TP ranks;
+        # experts: every rank's own (split over expert-parallel and expert-tensor-parallel ranks), summed over both
+        dense = torch.zeros((), dtype=torch.float32)
+        experts = torch.zeros((), dtype=torch.float32)
+        for name, p in named:
+            if convert.is_expert_name(name):
+                if getattr(p, "tensor_model_parallel", False) or self.etp_rank == 0:
+                    experts = experts + p.grad.float().pow(2).sum()
+            elif param_is_not_tensor_parallel_duplicate(p):
+                dense = dense + p.grad.float().pow(2).sum()
+        dist.all_reduce(dense, group=self.tp_group)
+        dist.all_reduce(experts, group=parallel_state.get_expert_tensor_and_model_parallel_group())
+        norm = (dense + experts).sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:
             grad.mul_(coef)
@@ -444,6 +522,7 @@ class MegatronBackend:
     def optimizer_step(self, *, loss: float | None = None) -> dict[str, float]:
         """As ``FSDP2Backend.optimizer_step``: clip (tensor-parallel-aware norm), step AdamW and the LR schedule,
         zero the gradient buffers; skip the step on NaN/inf (config). Returns grad_norm, lr, skipped_steps."""
+        self._finalize_grads()
         for param in self.gpt.parameters():
             param.grad = param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
         grad_norm, applied = guarded_step(
@@ -459,6 +538,7 @@ class MegatronBackend:
             clip_grads=self._clip_grads,
         )
         self.model.zero_grad_buffer()
+        self._grads_final = True  # zero: nothing to sum
         self._pending_loss = 0.0
         self.num_skipped_steps += not applied
         self.step += 1
@@ -471,21 +551,31 @@ class MegatronBackend:
     def full_gradients(self) -> dict[str, Tensor]:
         """Full gradients by HF name (collective over the TP group; for tests and diagnostics), read from the
         gradient buffers after ``forward_backward``."""
+        self._finalize_grads()
         grads = ((name, p.main_grad) for name, p in self.gpt.named_parameters())
         return {name: t.clone() for name, t in convert.megatron_to_hf(self._gathered(grads), self.hf_config)}
 
     # -- weights and checkpoints ----------------------------------------------------------------
     def _gathered(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        """Full tensors from this rank's shards, one at a time (an all-gather over the TP group per split one)."""
+        """Full tensors from this rank's shards, one at a time: an all-gather over the (expert-)tensor-parallel ranks
+        per split tensor, and for an expert's weight under expert parallelism one over the expert-parallel ranks,
+        yielding every rank's expert under its global index (Megatron names)."""
         params = dict(self.gpt.named_parameters())
+        local_experts = self.hf_config.num_experts // self.expert_parallel if convert.is_moe(self.hf_config) else 0
         for name, shard in named:
-            param = params[name]
-            if self.tensor_parallel == 1 or not getattr(param, "tensor_model_parallel", False):
-                yield name, shard.detach()
+            param, shard = params[name], shard.detach()
+            _, world, group = self._tp_layout(name)
+            if world > 1 and getattr(param, "tensor_model_parallel", False):
+                shards = [torch.empty_like(shard) for _ in range(world)]
+                dist.all_gather(shards, shard.contiguous(), group=group)
+                shard = convert.full_from_shards(shards, param)
+            if self.expert_parallel == 1 or not convert.is_expert_name(name):
+                yield name, shard
                 continue
-            shards = [torch.empty_like(shard) for _ in range(self.tensor_parallel)]
-            dist.all_gather(shards, shard.detach().contiguous(), group=self.tp_group)
-            yield name, convert.full_from_shards(shards, param)
+            experts = [torch.empty_like(shard) for _ in range(self.expert_parallel)]
+            dist.all_gather(experts, shard.contiguous(), group=self.ep_group)
+            for ep_rank, expert in enumerate(experts):
+                yield convert.global_expert_name(name, ep_rank * local_experts), expert
 
     def export_weights(self) -> Iterable[tuple[str, Tensor]]:
         """(HF name, fp32 tensor) pairs of the full model, produced one Megatron tensor at a time (gathered over the
@@ -518,8 +608,9 @@ class MegatronBackend:
             drain_weights(named)
 
     def save(self, path: Path) -> None:
-        """Write ``model/`` (HF directory: config, safetensors; rank 0), ``optimizer/tp{R}.pt`` (each tensor-parallel
-        rank's AdamW and LR-schedule state, written by data-parallel replica 0) and ``trainer_state.json``.
+        """Write ``model/`` (HF directory: config, safetensors; rank 0), ``optimizer/tp{T}_ep{E}.pt`` (the AdamW and
+        LR-schedule state of each tensor- and expert-parallel position, written by the first rank holding it) and
+        ``trainer_state.json``.
         Collective; returns once every rank has written.
 
         Raises: FloatingPointError if any weight is NaN/inf (nothing is written).
@@ -534,53 +625,68 @@ class MegatronBackend:
                 "checkpoint is intact; resume from it with a lower --train.lr."
             )
         path = Path(path)
-        if self.rank == 0:
-            write_weights(weights, path / "model" / "model.safetensors")
-            config = copy.deepcopy(self.hf_config)
-            config.use_cache = True
-            config.save_pretrained(path / "model")
-            if (self.model_path / "generation_config.json").is_file():
-                shutil.copy2(self.model_path / "generation_config.json", path / "model" / "generation_config.json")
-            (path / "trainer_state.json").write_text(
-                json.dumps(
-                    {
-                        "step": self.step,
-                        "skipped_steps": self.num_skipped_steps,
-                        "tensor_parallel_size": self.tensor_parallel,
-                    },
-                    indent=2,
+        failure = None
+        try:  # every rank reaches the agreement below, so a rank whose write failed never leaves the others waiting
+            if self.rank == 0:
+                self._write_model_dir(weights, path)
+            if parallel_state.get_expert_data_parallel_rank() == 0:  # the first copy of its dense and expert states
+                (path / "optimizer").mkdir(parents=True, exist_ok=True)
+                torch.save(
+                    {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                    path / "optimizer" / self._optimizer_file,
                 )
-            )
-        if parallel_state.get_data_parallel_rank() == 0:
-            (path / "optimizer").mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                path / "optimizer" / f"tp{self.tp_rank}.pt",
-            )
+        except Exception as err:  # re-raised below, after the ranks agreed
+            failure = err
+        failed = torch.tensor(float(failure is not None))
         if dist.get_world_size() > 1:
-            dist.barrier()
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failure is not None:
+            raise failure
+        if failed.item():
+            raise RuntimeError(f"saving {path}: another trainer rank failed to write its part (see its error)")
+
+    def _write_model_dir(self, weights: dict[str, Tensor], path: Path) -> None:
+        write_weights(weights, path / "model" / "model.safetensors")
+        config = copy.deepcopy(self.hf_config)
+        config.use_cache = True
+        config.save_pretrained(path / "model")
+        if (self.model_path / "generation_config.json").is_file():
+            shutil.copy2(self.model_path / "generation_config.json", path / "model" / "generation_config.json")
+        state = {
+            "step": self.step,
+            "skipped_steps": self.num_skipped_steps,
+            "tensor_parallel_size": self.tensor_parallel,
+            "expert_parallel_size": self.expert_parallel,
+        }
+        (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
+
+    @property
+    def _optimizer_file(self) -> str:
+        return f"tp{self.tp_rank}_ep{self.ep_rank}.pt"
 
     def load(self, path: Path) -> None:
         """Restore weights, optimizer, schedule and step from ``save``'s layout.
 
-        Raises: ValueError when the checkpoint was written with another tensor-parallel size (its optimizer shards
-            do not fit); FileNotFoundError for a checkpoint without ``optimizer/`` (e.g. an FSDP2 one).
+        Raises: ValueError when the checkpoint was written with another tensor- or expert-parallel size (its
+            optimizer shards do not fit); FileNotFoundError for a checkpoint without ``optimizer/`` (e.g. an FSDP2 one).
         """
         path = Path(path)
         trainer_state = json.loads((path / "trainer_state.json").read_text())
-        saved_tp = trainer_state.get("tensor_parallel_size")
         if not (path / "optimizer").is_dir():
             raise FileNotFoundError(
                 f"{path} holds no Megatron optimizer state (optimizer/): it was written by another backend; resume "
                 "it with the backend that wrote it (train.backend)"
             )
-        if saved_tp != self.tensor_parallel:
-            raise ValueError(
-                f"{path} was written with train.megatron.tensor_parallel_size {saved_tp}, this run uses "
-                f"{self.tensor_parallel}; resume with --train.megatron.tensor-parallel-size {saved_tp}"
-            )
+        sizes = (("tensor_parallel_size", self.tensor_parallel), ("expert_parallel_size", self.expert_parallel))
+        for key, size in sizes:
+            saved = trainer_state.get(key, 1)
+            if saved != size:
+                raise ValueError(
+                    f"{path} was written with train.megatron.{key} {saved}, this run uses {size}; resume with "
+                    f"--train.megatron.{key.replace('_', '-')} {saved}"
+                )
         self._load_hf(self.gpt, _hf_state(path / "model"), self.hf_config)
-        state = torch.load(path / "optimizer" / f"tp{self.tp_rank}.pt", weights_only=True)
+        state = torch.load(path / "optimizer" / self._optimizer_file, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]

@@ -70,6 +70,10 @@ def check_supported(hf_config: Any) -> None:
         )
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("train.backend megatron: MLP biases are not converted yet; use --train.backend fsdp2")
+    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):  # Llama's also biases o_proj
+        raise ValueError(
+            "train.backend megatron: attention biases (attention_bias) are not converted yet; use --train.backend fsdp2"
+        )
     _rope_theta(hf_config)
 
 
@@ -86,14 +90,40 @@ def moe_layers(hf_config: Any) -> list[int]:
     return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
 
 
+def check_model_dir(path: Any, *, tensor_parallel: int, expert_parallel: int, key: str) -> None:
+    """Check, from its ``config.json`` alone, that the HF model at ``path`` converts with these parallel sizes, and
+    that megatron-core is installed: what would otherwise fail only once the trainer builds.
+
+    Raises: ValueError, one line naming ``key`` (the config key of the model) and the fix.
+    """
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    if importlib.util.find_spec("megatron.core") is None:
+        raise ValueError(
+            "train.backend megatron needs megatron-core: install the extra (pip install 'miles-train[megatron]'; "
+            "the workspace's uv sync has it), or use --train.backend fsdp2"
+        )
+    try:
+        transformer_config_kwargs(
+            AutoConfig.from_pretrained(path),
+            tensor_parallel=tensor_parallel,
+            expert_parallel=expert_parallel,
+            dtype=torch.float32,
+        )
+    except ValueError as err:
+        raise ValueError(f"{key} ({path}): {err}") from None
+
+
 def head_dim(hf_config: Any) -> int:
     """d, the per-head width (``head_dim`` where the config has one, else hidden / heads)."""
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def has_qkv_bias(hf_config: Any) -> bool:
-    """Qwen2 always has q/k/v biases; Llama-family models when ``attention_bias``."""
-    return hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    """Qwen2 always has q/k/v biases (and no output-projection bias)."""
+    return hf_config.model_type == "qwen2"
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
@@ -101,13 +131,22 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
     return -(-vocab_size // tensor_parallel) * tensor_parallel
 
 
-def transformer_config_kwargs(hf_config: Any, *, tensor_parallel: int, dtype: torch.dtype) -> dict[str, Any]:
+def transformer_config_kwargs(
+    hf_config: Any, *, tensor_parallel: int, dtype: torch.dtype, expert_parallel: int = 1
+) -> dict[str, Any]:
     """Keyword arguments of Megatron's ``TransformerConfig`` equal to ``hf_config``'s architecture.
 
     Dropout is 0 (RL log-probs must equal the engine's) and every fused kernel is off: the CPU path has none, and the
-    unfused ones compute the same function. Raises: ValueError as ``check_supported``.
+    unfused ones compute the same function. Raises: ValueError as ``check_supported``, and for a tensor- or
+    expert-parallel size that does not divide the heads or the experts.
     """
     check_supported(hf_config)
+    experts = hf_config.num_experts if is_moe(hf_config) else 0
+    if expert_parallel > 1 and (not experts or experts % expert_parallel):
+        raise ValueError(
+            f"train.megatron.expert_parallel_size {expert_parallel} must divide the model's experts per MoE layer "
+            f"({experts or 'none: a dense model'}); use a divisor, or 1"
+        )
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if heads % tensor_parallel or groups % tensor_parallel:
         raise ValueError(
@@ -142,11 +181,11 @@ def transformer_config_kwargs(hf_config: Any, *, tensor_parallel: int, dtype: to
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        **(_moe_kwargs(hf_config) if is_moe(hf_config) else {}),
+        **(_moe_kwargs(hf_config, expert_parallel) if is_moe(hf_config) else {}),
     )
 
 
-def _moe_kwargs(hf_config: Any) -> dict[str, Any]:
+def _moe_kwargs(hf_config: Any, expert_parallel: int) -> dict[str, Any]:
     """Qwen3-MoE's router and experts in Megatron's terms: softmax over the top-k logits equals HF's softmax, top-k
     and renormalization (``norm_topk_prob``); without renormalization the softmax runs before the top-k. No auxiliary
     load-balancing loss (the RL objective is the whole loss, as in the FSDP2 backend) and no token dropping."""
@@ -161,7 +200,10 @@ def _moe_kwargs(hf_config: Any) -> dict[str, Any]:
         moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32",
         moe_grouped_gemm=False,
+        # all-gather (the all-to-all dispatcher needs CUDA streams); it gathers equal token counts, which
+        # CausalLMView makes so under expert parallelism by padding each forward to the longest rank's length
         moe_token_dispatcher_type="allgather",
+        expert_model_parallel_size=expert_parallel,
     )
 
 
@@ -253,7 +295,7 @@ def megatron_to_hf(named: Iterable[tuple[str, Tensor]], hf_config: Any) -> Itera
     vocab = hf_config.vocab_size
     hf_layer = {v: k for k, v in _LAYER_RENAMES.items()}
     hf_top = {v: k for k, v in _TOP_RENAMES.items()}
-    experts: dict[str, list[Tensor]] = {}  # HF name -> the layer's experts so far (yielded stacked once complete)
+    experts: dict[str, dict[int, Tensor]] = {}  # HF name -> the layer's experts so far (yielded once all are there)
     for name, tensor in named:
         if name == _EMBEDDING:
             yield "model.embed_tokens.weight", tensor[:vocab]
@@ -269,12 +311,11 @@ def megatron_to_hf(named: Iterable[tuple[str, Tensor]], hf_config: Any) -> Itera
         expert = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$", rest)
         if expert is not None:
             hf_name = prefix + ("mlp.experts.gate_up_proj" if expert[2] == "linear_fc1" else "mlp.experts.down_proj")
-            stacked = experts.setdefault(hf_name, [])
-            if int(expert[1]) != len(stacked):
-                raise ValueError(f"train.backend megatron: expert tensors out of order at {name!r}")
-            stacked.append(tensor)
+            stacked = experts.setdefault(hf_name, {})
+            stacked[int(expert[1])] = tensor
             if len(stacked) == hf_config.num_experts:
-                yield hf_name, torch.stack(experts.pop(hf_name))
+                parts = experts.pop(hf_name)
+                yield hf_name, torch.stack([parts[e] for e in range(hf_config.num_experts)])
         elif rest in hf_layer:
             yield prefix + hf_layer[rest], tensor
         elif rest.startswith("self_attention.linear_qkv."):
@@ -289,6 +330,21 @@ def megatron_to_hf(named: Iterable[tuple[str, Tensor]], hf_config: Any) -> Itera
             raise ValueError(f"train.backend megatron: no HF name for Megatron tensor {name!r}")
     if experts:
         raise ValueError(f"train.backend megatron: incomplete experts of {sorted(experts)[:2]}")
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def is_expert_name(name: str) -> bool:
+    """Whether a Megatron name is one expert's weight (``...mlp.experts.local_experts.<e>...``)."""
+    return _LOCAL_EXPERT.match(name) is not None
+
+
+def global_expert_name(name: str, offset: int) -> str:
+    """A rank's local expert name with its index shifted by ``offset`` (the first expert that rank holds under
+    expert parallelism: ``ep_rank * experts / expert_parallel_size``); other names unchanged."""
+    match = _LOCAL_EXPERT.match(name)
+    return name if match is None else f"{match[1]}{int(match[2]) + offset}{match[3]}"
 
 
 # -- tensor-parallel shards -----------------------------------------------------------------------------------------
