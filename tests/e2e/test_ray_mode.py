@@ -10,10 +10,10 @@ happened.
 A run here takes ~2 min, nearly all process start-up on 2 cores (Ray ~30 s, two servers ~40 s, the router ~3 s,
 two trainer ranks ~30-45 s; 2 steps ~5 s), so the module holds these runs: straight (its own cluster), killed,
 resumed, the trainer restart (~2.5 min, ~1 min more than a run: the second trainer's start), the server kill,
-fully_async with partial rollouts, one_step_off and the colocated run (the runs after the first three join one
-cluster the test starts, `execution.ray.address`, which saves Ray's start each time). The module: ~9.7 min in CI's
-slow step before the fully_async, one_step_off and colocated runs (~2 min more each; 5 min while a CI run shared
-the cores).
+fully_async with partial rollouts, one_step_off, the colocated run and a Megatron (TP=2) run (the runs after the
+first three join one cluster the test starts, `execution.ray.address`, which saves Ray's start each time). The
+module: ~9.7 min in CI's slow step before the fully_async, one_step_off, colocated and Megatron runs (~2 min more
+each; 5 min while a CI run shared the cores).
 """
 
 import concurrent.futures
@@ -533,3 +533,29 @@ def test_colocated_engines_free_their_memory_for_training_and_the_run_matches_th
         text = (run_dir / "servers" / name).read_text()
         assert text.count("released the weights' memory (") == 2, name  # after each step's rollout
         assert text.count("re-allocated the weights, zero-filled") == 2, name  # before each push
+
+
+def test_megatron_with_tensor_parallel_2_on_ray_trains_and_the_servers_follow_its_pushes(
+    cluster, tiny_smollm2_dir, workdir
+):
+    """train.backend megatron in Ray mode: the 2 trainer actors are one tensor-parallel replica (each holds half of
+    every layer), rank 0 pushes the gathered HF-named weights to both servers, and the run checkpoints each rank's
+    optimizer shard."""
+    pytest.importorskip("megatron.core")
+    _, address = cluster
+    run_dir = workdir / "megatron"
+    args = [
+        *_overrides(tiny_smollm2_dir, workdir, "megatron"), "--execution.ray.address", address,
+        "--train.backend", "megatron", "--train.megatron.tensor-parallel-size", "2",
+    ]  # fmt: skip
+    rc, stderr = Run(args, workdir).finish(min_children=1)
+    assert rc == 0, stderr[-4000:]
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and [r["weight_version"] for r in rows] == [1.0, 2.0]
+    assert all(r["grad_norm"] > 0.0 for r in rows), rows
+    assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-3  # step 2 sampled with the pushed weights
+    log = (run_dir / "train.log").read_text()
+    assert "Ray placement: 2 Megatron trainer ranks on bundles 0-1" in log, log[-3000:]
+    shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_2" / "optimizer").iterdir())
+    assert shards == ["tp0_ep0.pt", "tp1_ep0.pt"]
+    _assert_ports_free(_server_urls(run_dir))

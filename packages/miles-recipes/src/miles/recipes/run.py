@@ -386,6 +386,7 @@ def build_ray_trainer(
     through the sink ``launched.sink_factory`` builds in its actor; ``stack`` closes the group. Logs one line:
     ranks, bundles, processes, engines."""
     from miles.core.execution import import_ray
+    from miles.train.config import BACKEND_NAMES
     from miles.train.ray_group import RayTrainGroup
 
     ray_cfg, world_size = cfg.execution.ray, cfg.train.world_size
@@ -406,7 +407,7 @@ def build_ray_trainer(
         "Ray placement: %d %s trainer ranks on bundles 0-%d of a %s placement group (%g CPU each; %s), rank 0 "
         "pushes the weights; engines: %s%s",
         world_size,
-        {"fsdp2": "FSDP2", "megatron": "Megatron"}[cfg.train.backend],
+        BACKEND_NAMES[cfg.train.backend],
         world_size - 1,
         ray_cfg.placement_strategy,
         ray_cfg.trainer_cpus_per_rank,
@@ -715,7 +716,7 @@ def run(
     from miles.core.publisher import Colocation, EnginePublisher
     from miles.rollout.engines.launch import launch_engine
     from miles.rollout.engines.server_actor import EngineRestartError
-    from miles.train import FSDP2Backend
+    from miles.train.config import backend_class
     from miles.train.ray_group import TrainerRankFailed
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -761,10 +762,7 @@ def run(
         if ray_mode:
             backend = build_ray_trainer(cfg, model_path, launched, trainer_placement, stack)
         else:
-            backend_cls = FSDP2Backend
-            if cfg.train.backend == "megatron":
-                from miles.train.megatron import MegatronBackend as backend_cls
-            backend = backend_cls(
+            backend = backend_class(cfg.train)(
                 model_path,
                 train=cfg.train,
                 temperature=cfg.rollout.sampling.temperature,

@@ -60,6 +60,20 @@ class MegatronConfig(BaseModel):
     )
 
 
+BACKEND_NAMES = {"fsdp2": "FSDP2", "megatron": "Megatron"}  # train.backend -> how logs name it
+
+
+def backend_class(train: TrainConfig) -> type:
+    """The ``TrainBackend`` class ``train.backend`` names (Megatron's imported only when chosen: an extra)."""
+    if train.backend == "megatron":
+        from miles.train.megatron import MegatronBackend
+
+        return MegatronBackend
+    from miles.train.fsdp2.backend import FSDP2Backend
+
+    return FSDP2Backend
+
+
 class TrainConfig(BaseModel):
     """Backend, optimizer, precision and micro-batching of the trainer."""
 

@@ -37,7 +37,7 @@ from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.batch import TrainBatch
 from miles.core.execution import import_ray, placement_group_for
 from miles.core.rng import capture_rng_state, restore_rng_state
-from miles.train.config import TrainConfig
+from miles.train.config import BACKEND_NAMES, TrainConfig, backend_class
 from miles.train.fsdp2.backend import WeightSink, drain_weights
 from torch import Tensor
 
@@ -127,12 +127,9 @@ class TrainWorker:
         """Join the group's process group, seed every RNG with ``seed`` (the same on every rank, so models a rank
         initializes randomly agree), build the rank-0 weight sink and the backend. Returns its outputs."""
         import torch.distributed as dist
-        from miles.train.fsdp2.backend import FSDP2Backend
         from transformers.utils import logging as hf_logging
 
-        backend_cls = FSDP2Backend
-        if backend_kwargs["train"].backend == "megatron":
-            from miles.train.megatron import MegatronBackend as backend_cls
+        backend_cls = backend_class(backend_kwargs["train"])
 
         ray = import_ray()
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank and model; the driver owns the console
@@ -319,7 +316,7 @@ class RayTrainGroup:
         logger.info(
             "started %d %s trainer ranks on Ray (%s each) in %.1fs",
             self.world_size,
-            {"fsdp2": "FSDP2", "megatron": "Megatron"}[self.backend_name],
+            BACKEND_NAMES[self.backend_name],
             resources,
             time.perf_counter() - t0,
         )

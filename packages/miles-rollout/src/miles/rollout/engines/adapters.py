@@ -33,7 +33,7 @@ def adapter_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
 
 
-def load_adapters(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -> None:
+def apply_adapter_update(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -> None:
     """Copy an adapter update into ``model``, wrapping its target modules with LoRA layers on the first one.
 
     Args:

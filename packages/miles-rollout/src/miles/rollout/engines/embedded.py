@@ -407,7 +407,7 @@ class EmbeddedEngine:
                         "an adapter update arrived, but the engine's base weights were released and re-allocated "
                         "zero-filled (resume_weights): push the full weights first (train.lora.sync merged)"
                     )
-                adapters.load_adapters(self.model, [first, *named_tensors])
+                adapters.apply_adapter_update(self.model, [first, *named_tensors])
                 return
             self._base_zeroed = False
             state = self.model.state_dict()

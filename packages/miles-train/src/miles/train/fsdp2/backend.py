@@ -3,10 +3,8 @@ steps, weight pushes and checkpoints. It holds models and optimizers; the RL obj
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import shutil
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -38,7 +36,13 @@ from miles.train.fsdp2.lora import (
     write_peft_config,
 )
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
-from miles.train.fsdp2.state import full_model_state, gather_module_state, load_module, write_weights
+from miles.train.fsdp2.state import (
+    full_model_state,
+    gather_module_state,
+    load_module,
+    write_model_dir,
+    write_weights,
+)
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -253,7 +257,7 @@ class FSDP2Backend:
             sums = self._accumulate(objective, batch, counts, backward)
         if self.critic is not None and objective.value is not None:
             sums.update(self.critic.forward_backward(batch, objective.value, counts))
-        metrics = reduce_policy_metrics(objective, sums, counts, all_reduce=_all_reduce)
+        metrics = reduce_policy_metrics(objective, sums, counts, all_reduce=all_reduce_metrics)
         self._pending_loss = metrics["loss"]
         if "loss/value" in metrics:
             self.critic.pending_loss = metrics["loss/value"]  # global: every rank takes the same skip decision
@@ -376,12 +380,7 @@ class FSDP2Backend:
             write_weights(adapter_state(weights), path / "adapter" / "adapter_model.safetensors")
             write_peft_config(self.train_cfg.lora, str(self.model_path), path / "adapter")
             weights = merge_state(self.model, weights)
-        write_weights(weights, path / "model" / "model.safetensors")
-        config = copy.deepcopy(self.model.config)
-        config.use_cache = True  # turned off for training only; the saved model is for inference
-        config.save_pretrained(path / "model")
-        if (self.model_path / "generation_config.json").is_file():
-            shutil.copy2(self.model_path / "generation_config.json", path / "model" / "generation_config.json")
+        write_model_dir(weights, self.model.config, self.model_path, path / "model")
         torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, path / "optimizer.pt")
         if critic is not None:
             write_weights(critic[0], path / "critic" / "model.safetensors")
@@ -455,9 +454,10 @@ def _packed_attention(model: torch.nn.Module, batch_layout: str) -> None:
         model.set_attn_implementation(register_varlen_sdpa())
 
 
-def _all_reduce(totals: Tensor, op: str) -> Tensor:
-    """``torch.distributed.all_reduce`` of ``totals`` over the default group: "sum" or "max"."""
-    dist.all_reduce(totals, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+def all_reduce_metrics(totals: Tensor, op: str, group=None) -> Tensor:
+    """``torch.distributed.all_reduce`` of ``totals`` over ``group`` (None: the default group): "sum" or "max"
+    (``reduce_policy_metrics``' all_reduce)."""
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return totals
 
 

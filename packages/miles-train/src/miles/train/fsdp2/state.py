@@ -65,6 +65,21 @@ def write_weights(weights: dict[str, Tensor], path: Path) -> None:
     save_file(unique, path, metadata={"format": "pt"})
 
 
+def write_model_dir(weights: dict[str, Tensor], config: Any, source: Path, path: Path) -> None:
+    """An HF model directory at ``path``: ``weights`` (HF names) as ``model.safetensors``, ``config`` (an HF
+    ``PretrainedConfig``; a copy saved with ``use_cache`` on, which training turns off) and the generation config of
+    the model directory ``source`` where it has one."""
+    import copy
+    import shutil
+
+    write_weights(weights, path / "model.safetensors")
+    config = copy.deepcopy(config)
+    config.use_cache = True  # turned off for training only; the saved model is for inference
+    config.save_pretrained(path)
+    if (Path(source) / "generation_config.json").is_file():
+        shutil.copy2(Path(source) / "generation_config.json", path / "generation_config.json")
+
+
 def load_module(model: nn.Module, optimizer: torch.optim.Optimizer, weights_path: Path, optim_state: dict) -> None:
     """Load safetensors weights (tied tensors are re-tied by the model) and a full optimizer state."""
     from safetensors.torch import load_file

@@ -12,10 +12,9 @@ last two).
 
 from __future__ import annotations
 
-import copy
+import functools
 import json
 import logging
-import shutil
 import warnings
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
@@ -34,9 +33,9 @@ from miles.core.batch import TrainBatch, split_micro_batches
 from miles.core.log_probs import model_response_log_probs, packed_model_response_log_probs
 from miles.core.routing_replay import NOT_RECORDED, token_routing
 from miles.train.config import TrainConfig
-from miles.train.fsdp2.backend import WeightSink, drain_weights, ensure_process_group
+from miles.train.fsdp2.backend import WeightSink, all_reduce_metrics, drain_weights, ensure_process_group
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
-from miles.train.fsdp2.state import write_weights
+from miles.train.fsdp2.state import write_model_dir
 from miles.train.megatron import convert
 from miles.train.megatron.cpu import apply_if_no_gpu
 from torch import Tensor
@@ -475,7 +474,8 @@ class MegatronBackend:
             backward=backward,
         )
         self._grads_final = False  # finalized once before they are read: it sums some over ranks, not idempotent
-        metrics = reduce_policy_metrics(objective, sums, counts, all_reduce=self._dp_all_reduce)
+        dp_reduce = functools.partial(all_reduce_metrics, group=self.dp_group)  # each replica's metrics once
+        metrics = reduce_policy_metrics(objective, sums, counts, all_reduce=dp_reduce)
         self._pending_loss = metrics["loss"]
         return metrics
 
@@ -488,10 +488,6 @@ class MegatronBackend:
         if not self._grads_final:
             finalize_model_grads([self.model])
             self._grads_final = True
-
-    def _dp_all_reduce(self, totals: Tensor, op: str) -> Tensor:
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.dp_group)
-        return totals
 
     def _clip_grads(self, max_norm: float) -> Tensor:
         """Global L2 norm of the gradients (each tensor-parallel shard once, replicated parameters once), then scale
@@ -646,12 +642,7 @@ class MegatronBackend:
             raise RuntimeError(f"saving {path}: another trainer rank failed to write its part (see its error)")
 
     def _write_model_dir(self, weights: dict[str, Tensor], path: Path) -> None:
-        write_weights(weights, path / "model" / "model.safetensors")
-        config = copy.deepcopy(self.hf_config)
-        config.use_cache = True
-        config.save_pretrained(path / "model")
-        if (self.model_path / "generation_config.json").is_file():
-            shutil.copy2(self.model_path / "generation_config.json", path / "model" / "generation_config.json")
+        write_model_dir(weights, self.hf_config, self.model_path, path / "model")
         state = {
             "step": self.step,
             "skipped_steps": self.num_skipped_steps,
