@@ -61,6 +61,27 @@ def test_two_steps_against_a_vllm_server_fed_through_disk_versions(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.vllm
+def test_two_steps_of_lora_against_a_vllm_server_that_applies_the_pushed_adapters(tmp_path):
+    """train.lora.sync adapter: the server keeps its base and loads each pushed adapter version in place."""
+    engine = ["--engine.type", "vllm", "--engine.python", vllm_python(), "--engine.max-model-len", "512"]
+    lora = [
+        "--train.lora.rank",
+        "4",
+        "--train.lora.target-modules",
+        '["q_proj", "v_proj"]',
+        "--train.lora.sync",
+        "adapter",
+    ]
+    rows = _train(tmp_path, "lora", [*engine, *lora, "--train.lr", "1e-3"])
+    assert all(r["grad_norm"] > 0 for r in rows[1:])
+    assert "LoRA adapters (rank 4)" in (tmp_path / "lora" / "train.log").read_text()
+    log = (tmp_path / "lora" / "servers" / "vllm_0.log").read_text()
+    assert log.count("Loaded new LoRA adapter: name 'miles-adapter'") == 2  # v1 and v2, the same name in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora"]  # the adapter versions went with the run
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
 def test_fully_async_with_partial_rollouts_against_a_vllm_server(tmp_path):
     """The async loop on a real server: the producer keeps vLLM busy while the trainer trains; each update pauses the
     server in place (partial rollouts continue on the new weights), the staleness bound 1 holds on every step, and

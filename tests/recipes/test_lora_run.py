@@ -51,10 +51,19 @@ def test_lora_run_trains_adapters_the_engine_follows_and_resume_is_exact(tiny_sm
         assert resumed[-1][key] == rows[-1][key], key
 
 
-def test_adapter_sync_with_a_server_engine_is_refused_in_one_line(tiny_smollm2_dir):
-    with pytest.raises(ValueError, match="train.lora.sync is 'adapter' but engine.type is 'vllm'"):
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        (["--engine.type", "sglang"], "train.lora.sync is 'adapter' but engine.type is 'sglang'"),
+        (
+            ["--engine.type", "vllm", "--engine.delta-weights", "true"],
+            "engine.delta_weights is on with train.lora.sync",
+        ),
+    ],
+)
+def test_adapter_sync_where_it_is_not_built_is_refused_in_one_line(tiny_smollm2_dir, engine, message):
+    with pytest.raises(ValueError, match=message):
         resolve_config(
             "smollm2_grpo_arithmetic",
-            ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES, "--train.lora.sync", "adapter",
-             "--engine.type", "vllm"],
-        )  # fmt: skip
+            ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES, "--train.lora.sync", "adapter", *engine],
+        )

@@ -109,3 +109,25 @@ def test_disk_weight_transfer_gives_disk_sinks_and_a_default_directory_that_clos
 def test_delta_updates_through_disk_are_refused_in_one_line():
     with pytest.raises(ValueError, match="engine.delta_weights is true but engine.weight_transfer is disk"):
         VLLMEngineConfig(weight_transfer="disk", delta_weights=True)
+
+
+def test_lora_adapter_sync_gives_vllm_an_adapter_sink_here_and_in_another_process_and_is_refused_for_sglang(
+    tiny_llama_dir, tmp_path
+):
+    from miles.rollout.engines.vllm_lora import ADAPTER_NAME, VLLMAdapterSink
+
+    weights = tmp_path / ".run.weights"
+    cfg = VLLMEngineConfig(urls=list(URLS))
+    launched = launch_engine(cfg, tiny_llama_dir, log_dir=tmp_path, remote_sink=True, weight_dir=weights, lora_rank=4)
+    assert launched.engine.adapter == ADAPTER_NAME and launched.engine.served_model == str(tiny_llama_dir)
+    assert isinstance(launched.weight_sink, VLLMAdapterSink) and launched.weight_sink.root == weights.resolve()
+    factory = copy.deepcopy(launched.sink_factory)  # rank 0 of a Ray trainer builds the same sink
+    assert factory.lora_rank == 4 and factory.disk_root == str(weights.resolve())
+    remote = factory()
+    assert isinstance(remote, VLLMAdapterSink) and remote.engine.adapter == ADAPTER_NAME
+    assert remote.root == weights.resolve()
+    weights.mkdir()
+    launched.close()
+    assert not weights.exists()  # the adapter versions go with the run
+    with pytest.raises(ValueError, match="LoRA adapter updates into SGLang servers are not built"):
+        launch_engine(SGLangEngineConfig(urls=list(URLS)), tiny_llama_dir, log_dir=tmp_path, lora_rank=4)

@@ -130,12 +130,18 @@ class MilesConfig(BaseModel):
         self._check_loop()
         self._check_megatron()
         lora = self.train.lora
-        if lora is not None and lora.sync == "adapter" and self.engine.type != "embedded":
-            raise ValueError(
-                f"train.lora.sync is 'adapter' but engine.type is {self.engine.type!r}: only the embedded engine "
-                "applies pushed adapters so far (vLLM / SGLang LoRA loading is not built). Set --train.lora.sync "
-                "merged (every engine), or --engine.type embedded."
-            )
+        if lora is not None and lora.sync == "adapter":
+            if self.engine.type not in ("embedded", "vllm"):
+                raise ValueError(
+                    f"train.lora.sync is 'adapter' but engine.type is {self.engine.type!r}: the embedded engine and "
+                    "vLLM apply pushed adapters (SGLang LoRA loading is not built). Set --train.lora.sync merged "
+                    "(every engine), or --engine.type embedded / vllm."
+                )
+            if self.engine.type == "vllm" and self.engine.delta_weights:
+                raise ValueError(
+                    "engine.delta_weights is on with train.lora.sync adapter: vLLM loads each adapter version from "
+                    "disk whole. Set --engine.delta-weights false."
+                )
         for i in range(len(self.eval.sets)):
             eval_set_data(self, i)  # each named eval set's data section validates
         return self

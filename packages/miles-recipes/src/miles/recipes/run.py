@@ -756,6 +756,7 @@ def run(
             colocate_with=trainer_placement if ray_mode and cfg.execution.ray.colocate else None,
             engine_placement=engine_placement,
             weight_dir=run_dir.parent / f".{run_dir.name}.weights",  # engine.weight_transfer disk, removed at the end
+            lora_rank=_adapter_rank(cfg),
         )
         stack.callback(launched.close)
         engine = launched.engine
@@ -986,6 +987,12 @@ def all_failed_message(err: AllSamplesFailed, reward: RewardConfig) -> str:
 def _shorten(text: str, limit: int = 200) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _adapter_rank(cfg: MilesConfig) -> int:
+    """The LoRA rank of a run whose engines apply the adapters themselves (``train.lora.sync adapter``), else 0."""
+    lora = cfg.train.lora
+    return lora.rank if lora is not None and lora.sync == "adapter" else 0
 
 
 def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:

@@ -36,7 +36,8 @@ class LoraConfig(BaseModel):
         "merged",
         description="What weight pushes send. merged: W + scale * B A for targeted weights, the rest as loaded (any "
         "engine). adapter: only A and scale * B; the engine keeps its base weights and applies the adapters "
-        "(embedded engine only for now): ~rank / hidden of the bytes.",
+        "(the embedded engine, or vLLM servers through their runtime LoRA loading; not SGLang yet): ~rank / hidden "
+        "of the bytes.",
     )
 
 
@@ -78,7 +79,6 @@ class TrainConfig(BaseModel):
     """Backend, optimizer, precision and micro-batching of the trainer."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
 
     lr: float = Field(
         3e-5, gt=0.0, description="AdamW peak learning rate. 3e-5 shows a GRPO rise in 10 steps on SmolLM2-135M."

