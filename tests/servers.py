@@ -7,6 +7,7 @@ Without vLLM the vLLM tests skip, unless ``MILES_REQUIRE_VLLM=1`` (CI's vLLM ste
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,15 @@ SMALL_RUN = [
     "--eval.sampling.max-new-tokens", "16",
     "--run.progress", "false",
 ]  # fmt: skip
+
+
+def start_miles_serve(model_dir, log_dir, *args):
+    """A started ``miles serve`` (``python -m miles.rollout.serve``) for ``model_dir`` on a free port, one OpenMP
+    thread, its log in ``log_dir/serve.log``; the caller stops it (``ServerProcess.stop``)."""
+    from miles.rollout.engines.server import ServerProcess, free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "miles.rollout.serve", "--model", str(model_dir), "--port", str(port), *args]
+    server = ServerProcess("miles serve", command, host="127.0.0.1", port=port, log_path=Path(log_dir) / "serve.log",
+                           env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=240)  # fmt: skip
+    return server.start()

@@ -54,16 +54,39 @@ def test_lora_run_trains_adapters_the_engine_follows_and_resume_is_exact(tiny_sm
 @pytest.mark.parametrize(
     ("engine", "message"),
     [
-        (["--engine.type", "sglang"], "train.lora.sync is 'adapter' but engine.type is 'sglang'"),
+        (
+            ["--engine.type", "sglang", "--loop.mode", "fully_async", "--loop.partial-rollout", "true"],
+            "loop.partial_rollout is on with train.lora.sync adapter on SGLang servers",
+        ),
         (
             ["--engine.type", "vllm", "--engine.delta-weights", "true"],
             "engine.delta_weights is on with train.lora.sync",
         ),
     ],
 )
-def test_adapter_sync_where_it_is_not_built_is_refused_in_one_line(tiny_smollm2_dir, engine, message):
+def test_adapter_sync_where_it_cannot_hold_is_refused_in_one_line(tiny_smollm2_dir, engine, message):
     with pytest.raises(ValueError, match=message):
         resolve_config(
             "smollm2_grpo_arithmetic",
             ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES, "--train.lora.sync", "adapter", *engine],
         )
+
+
+@pytest.mark.slow  # starts a miles serve process: ~1 min here
+@pytest.mark.e2e
+def test_adapter_sync_through_sglangs_api_into_miles_serve(tiny_smollm2_dir, tmp_path, monkeypatch):
+    """engine.type sglang with miles serve: each version is loaded by name through /load_lora_adapter and
+    requests name it (what ran is miles serve speaking SGLang's API, not SGLang)."""
+    monkeypatch.syspath_prepend(TINY_RUN_PATH)
+    overrides = [*OVERRIDES, "--loop.num-steps", "2", "--train.lora.sync", "adapter", "--engine.type", "sglang",
+                 "--engine.server", "miles"]  # fmt: skip
+    run(
+        resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), *overrides]),
+        tmp_path / "serve",
+    )
+    rows = [r for r in _rows(tmp_path / "serve") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["grad_norm"] > 0 for r in rows)
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows), rows  # step 2 sampled with v1's adapter
+    log = next((tmp_path / "serve" / "servers").glob("*.log")).read_text()
+    assert "loaded LoRA adapter miles-adapter-v1" in log and "loaded LoRA adapter miles-adapter-v2" in log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serve"]  # the adapter versions went with the run

@@ -111,9 +111,8 @@ def test_delta_updates_through_disk_are_refused_in_one_line():
         VLLMEngineConfig(weight_transfer="disk", delta_weights=True)
 
 
-def test_lora_adapter_sync_gives_vllm_an_adapter_sink_here_and_in_another_process_and_is_refused_for_sglang(
-    tiny_llama_dir, tmp_path
-):
+def test_lora_adapter_sync_gives_server_engines_adapter_sinks_here_and_in_another_process(tiny_llama_dir, tmp_path):
+    from miles.rollout.engines.sglang_lora import SGLangAdapterSink
     from miles.rollout.engines.vllm_lora import ADAPTER_NAME, VLLMAdapterSink
 
     weights = tmp_path / ".run.weights"
@@ -129,5 +128,8 @@ def test_lora_adapter_sync_gives_vllm_an_adapter_sink_here_and_in_another_proces
     weights.mkdir()
     launched.close()
     assert not weights.exists()  # the adapter versions go with the run
-    with pytest.raises(ValueError, match="LoRA adapter updates into SGLang servers are not built"):
-        launch_engine(SGLangEngineConfig(urls=list(URLS)), tiny_llama_dir, log_dir=tmp_path, lora_rank=4)
+    sglang = launch_engine(SGLangEngineConfig(urls=list(URLS)), tiny_llama_dir, log_dir=tmp_path, lora_rank=4)
+    assert isinstance(sglang.weight_sink, SGLangAdapterSink) and sglang.engine.adapter
+    assert isinstance(copy.deepcopy(sglang.sink_factory)(), SGLangAdapterSink)
+    assert sglang.weight_sink.root == (tmp_path / "weights").resolve()  # beside the logs without a weight_dir
+    sglang.close()

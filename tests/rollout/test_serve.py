@@ -4,7 +4,6 @@ relies on, and the real server in a subprocess answering as SGLang does."""
 import asyncio
 import concurrent.futures
 import math
-import sys
 import threading
 import time
 
@@ -16,8 +15,8 @@ from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateOutput, GenerateRequest
 from miles.rollout.engines import EmbeddedEngine
 from miles.rollout.engines.embedded import WeightsReleasedError
-from miles.rollout.engines.server import ServerProcess, free_port
 from miles.rollout.engines.sglang_api import generate_response, parse_generate_request
+from servers import start_miles_serve
 
 LIMITS = {"vocab_size": 32, "context_length": 256, "stop_token_ids": [2]}
 
@@ -81,7 +80,7 @@ def test_sglang_sampling_params_map_to_miles_sampling(sampling_params, expected,
         pytest.param({"input_ids": [1, 40]}, "outside the vocabulary [0, 32)", id="id_out_of_vocab"),
         pytest.param({"text": "hi"}, "token-in-token-out; send input_ids", id="text"),
         pytest.param({"input_ids": [1], "stream": True}, "stream=True is not supported", id="stream"),
-        pytest.param({"input_ids": [1], "lora_path": "x"}, "lora_path='x' is not supported", id="lora"),
+        pytest.param({"input_ids": [1], "lora_id": "x"}, "lora_id='x' is not supported", id="lora"),
         pytest.param({"input_ids": [1], "bogus": 1}, "bogus is not a field miles serve knows", id="unknown_field"),
         pytest.param(
             {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}},
@@ -257,17 +256,9 @@ def test_miles_serve_takes_the_servers_options_and_refuses_a_directory_without_a
 
 
 # -- the server -----------------------------------------------------------------------------------
-def start_server(model_dir, log_dir, *args) -> ServerProcess:
-    port = free_port()
-    command = [sys.executable, "-m", "miles.rollout.serve", "--model", str(model_dir), "--port", str(port), *args]
-    server = ServerProcess("miles serve", command, host="127.0.0.1", port=port, log_path=log_dir / "serve.log",
-                           env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=240)  # fmt: skip
-    return server.start()
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("serve"))
+    server = start_miles_serve(tiny_llama_dir, tmp_path_factory.mktemp("serve"))
     yield server
     server.stop()
 
@@ -430,7 +421,7 @@ def test_a_moe_server_returns_the_engines_routing_as_sglang_does(tmp_path):
     from moe_models import EOS, save_moe_model
 
     model_dir = save_moe_model("deepseek_v3", tmp_path / "moe")
-    server = start_server(model_dir, tmp_path, "--enable-return-routed-experts", "--stop-token-ids", str(EOS))
+    server = start_miles_serve(model_dir, tmp_path, "--enable-return-routed-experts", "--stop-token-ids", str(EOS))
     try:
         client = SGLangEngine([server.url], stop_token_ids=[EOS], routed_experts_shape=(3, 2))
         request = GenerateRequest([5, 9, 11, 3], SamplingConfig(max_new_tokens=6), seed=3)

@@ -3,7 +3,6 @@
 shard, and a corrupt version is refused with the file named, leaving the old weights and version."""
 
 import json
-import sys
 
 import httpx
 import pytest
@@ -11,9 +10,9 @@ import torch
 from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateRequest
 from miles.rollout.engines import EmbeddedEngine
-from miles.rollout.engines.server import ServerProcess, free_port
 from miles.rollout.engines.sglang import SGLangDiskWeightSink, SGLangEngine
 from miles.sync import DiskWeightWriter, WeightUpdateError
+from servers import start_miles_serve
 
 PROMPT = [1, 5, 6]
 
@@ -82,12 +81,8 @@ def test_a_failed_disk_push_raises_naming_the_server_and_keeps_the_sinks_version
 # -- a real miles serve ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_smollm2_dir, tmp_path_factory):
-    port = free_port()
-    command = [sys.executable, "-m", "miles.rollout.serve", "--model", str(tiny_smollm2_dir), "--port", str(port)]
-    log_path = tmp_path_factory.mktemp("serve_disk") / "serve.log"
-    server = ServerProcess("miles serve", command, host="127.0.0.1", port=port, log_path=log_path,
-                           env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=240)  # fmt: skip
-    yield server.start()
+    server = start_miles_serve(tiny_smollm2_dir, tmp_path_factory.mktemp("serve_disk"))
+    yield server
     server.stop()
 
 

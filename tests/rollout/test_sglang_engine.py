@@ -16,6 +16,7 @@ from miles.rollout.engines.server import ServerProcess, free_port
 from miles.rollout.engines.sglang import SGLangEngine, SGLangWeightSink, launch_command
 from miles.rollout.engines.sglang_api import generate_payload, generate_response, parse_generate_response
 from miles.sync import WeightUpdateError
+from servers import start_miles_serve
 
 
 # -- launch command and wire format ---------------------------------------------------------------
@@ -252,11 +253,7 @@ def test_generate_goes_to_the_router_and_control_calls_to_every_worker_with_sgla
 # -- a real miles serve ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    port = free_port()
-    command = [sys.executable, "-m", "miles.rollout.serve", "--model", str(tiny_llama_dir), "--port", str(port)]
-    log_path = tmp_path_factory.mktemp("sglang_engine") / "serve.log"
-    server = ServerProcess("miles serve", command, host="127.0.0.1", port=port, log_path=log_path,
-                           env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=240).start()  # fmt: skip
+    server = start_miles_serve(tiny_llama_dir, tmp_path_factory.mktemp("sglang_engine"))
     yield server
     server.stop()
 

@@ -12,14 +12,9 @@ import pytest
 import torch
 from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateRequest
+from miles.rollout.engines.adapters import read_adapter_dir, write_adapter_dir
 from miles.rollout.engines.vllm import VLLMEngine, launch_vllm_servers
-from miles.rollout.engines.vllm_lora import (
-    ADAPTER_NAME,
-    LORA_ENV,
-    VLLMAdapterSink,
-    lora_server_args,
-    write_adapter_dir,
-)
+from miles.rollout.engines.vllm_lora import ADAPTER_NAME, LORA_ENV, VLLMAdapterSink, lora_server_args
 from miles.sync import WeightUpdateError
 from safetensors.torch import load_file
 from servers import vllm_python
@@ -61,6 +56,16 @@ def test_an_adapter_version_is_a_peft_directory_with_the_scaling_already_in_b(tm
     )  # peft's saved names, as PeftModel.save_pretrained writes them
     for name, tensor in named.items():
         assert torch.equal(saved["base_model.model." + name.replace(".default.", ".")], tensor)
+    back = read_adapter_dir(path)  # what miles serve loads: the same names and tensors
+    assert back.keys() == named.keys() and all(torch.equal(back[n], t) for n, t in named.items())
+    config["lora_alpha"] = 8  # a peft directory of another scaling (8 / 2): B comes back scaled by it
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    scaled = read_adapter_dir(path)
+    assert all(torch.equal(scaled[n], 4 * t if ".lora_B." in n else t) for n, t in named.items())
+    config["use_rslora"] = True  # 8 / sqrt(2)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    b = "model.layers.0.self_attn.q_proj.lora_B.default.weight"
+    assert torch.allclose(read_adapter_dir(path)[b], named[b] * 8 / 2**0.5)
 
 
 @pytest.mark.parametrize(

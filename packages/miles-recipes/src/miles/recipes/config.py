@@ -131,16 +131,17 @@ class MilesConfig(BaseModel):
         self._check_megatron()
         lora = self.train.lora
         if lora is not None and lora.sync == "adapter":
-            if self.engine.type not in ("embedded", "vllm"):
+            if self.engine.type == "sglang" and self.engine.server == "sglang" and self.loop.partial_rollout:
                 raise ValueError(
-                    f"train.lora.sync is 'adapter' but engine.type is {self.engine.type!r}: the embedded engine and "
-                    "vLLM apply pushed adapters (SGLang LoRA loading is not built). Set --train.lora.sync merged "
-                    "(every engine), or --engine.type embedded / vllm."
+                    "loop.partial_rollout is on with train.lora.sync adapter on SGLang servers: SGLang keeps a "
+                    "request paused in place on the adapter it started with, so its later tokens would not be "
+                    "sampled by the weights its version says. Set --loop.partial-rollout false, or --train.lora.sync "
+                    "merged."
                 )
-            if self.engine.type == "vllm" and self.engine.delta_weights:
+            if self.engine.type != "embedded" and getattr(self.engine, "delta_weights", False):
                 raise ValueError(
-                    "engine.delta_weights is on with train.lora.sync adapter: vLLM loads each adapter version from "
-                    "disk whole. Set --engine.delta-weights false."
+                    "engine.delta_weights is on with train.lora.sync adapter: the servers load each adapter version "
+                    "from disk whole. Set --engine.delta-weights false."
                 )
         for i in range(len(self.eval.sets)):
             eval_set_data(self, i)  # each named eval set's data section validates

@@ -27,12 +27,18 @@ always "" (no tokenizer). Differences from SGLang, all deliberate:
 - weight versions are integers in strings ("0", "1", ...): the engine's versions are ints.
 - ``return_routed_experts`` (with ``--enable-return-routed-experts``) sends the routing of the forward that gave
   the log-probs (``EmbeddedEngine``'s ``routed_experts``), dense layers' ids as -1.
+- LoRA (``/load_lora_adapter`` from a peft directory, ``/unload_lora_adapter``, ``/generate``'s ``lora_path``; no
+  ``--enable-lora`` needed): the engine applies one adapter, the newest loaded, to every request. A request names
+  a loaded adapter (an older one gets the newest: its ``weight_version`` says which weights sampled it) and, while
+  one is loaded, must name one (SGLang would run the base model; miles serve cannot mix the two in a batch).
+  Unloading the newest sets its B to zero, so the model is the base again.
 
 Endpoints: ``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
 ``/get_load``, ``/generate``, ``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``,
 ``/slow_down`` (SGLang's testing aid), ``/init_weights_update_group``, ``/destroy_weights_update_group``,
 ``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/update_weights_from_tensor`` (refused),
-``/update_weight_version``, ``/release_memory_occupation``, ``/resume_memory_occupation``. Blocking work (pause,
+``/update_weight_version``, ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/load_lora_adapter``,
+``/unload_lora_adapter``. Blocking work (pause,
 weight transfer, release) runs in worker threads, so ``/generate`` and ``/health`` keep answering meanwhile.
 """
 
@@ -54,6 +60,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateRequest
+from miles.rollout.engines.adapters import is_adapter_name, read_adapter_dir
 from miles.rollout.engines.embedded import EmbeddedEngine, WeightsReleasedError
 from miles.rollout.engines.sglang_api import generate_response, parse_generate_request, parse_weight_version
 from miles.sync.disk import MANIFEST, read_hf_weights, read_manifest, read_weights
@@ -79,6 +86,8 @@ class ServeState:
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     forward_sleep_s: float = 0.0  # /slow_down
     num_generate_requests: int = 0  # /generate requests answered 200 (in /get_server_info)
+    adapters: dict[str, str] = field(default_factory=dict)  # loaded LoRA adapters: name -> path
+    active_adapter: str | None = None  # the one the engine applies (the newest loaded)
 
     @property
     def version(self) -> str:
@@ -232,6 +241,7 @@ async def generate(request: Request) -> Response:
             stop_token_ids=state.engine.stop_token_ids,
             routed_experts=state.engine.routing is not None,
         )
+        _check_lora_path(state, body.get("lora_path"))
         output = await state.engine.generate(parsed)
     except WeightsReleasedError as err:
         return _error(f"{err} (POST /resume_memory_occupation, then push weights)", 503)
@@ -250,6 +260,22 @@ async def generate(request: Request) -> Response:
         return_routed_experts=bool(body.get("return_routed_experts")),
     )
     return JSONResponse(answer)
+
+
+def _check_lora_path(state: ServeState, lora_path: Any) -> None:
+    """Raises: ValueError (the request's 400) for a ``lora_path`` that names no loaded adapter, or none while one is
+    loaded (every request then runs with it)."""
+    if lora_path is None:
+        if state.active_adapter is not None:
+            raise ValueError(
+                f"miles serve applies its LoRA adapter to every request; name it in lora_path (loaded: "
+                f"{sorted(state.adapters)})"
+            )
+        return
+    if not isinstance(lora_path, str):
+        raise ValueError(f"lora_path must be one adapter name (one prompt per request), got {lora_path!r}")
+    if lora_path not in state.adapters:
+        raise ValueError(f"LoRA adapter {lora_path!r} is not loaded (loaded: {sorted(state.adapters)})")
 
 
 @router.post("/abort_request")
@@ -497,6 +523,77 @@ def _load_paused(engine: EmbeddedEngine, named: dict[str, torch.Tensor], version
             engine.set_weight_version(version)
     finally:
         if not was_paused and not keep_pause:
+            engine.resume_now()
+
+
+def _lora_result(state: ServeState, success: bool, error: str | None = None) -> JSONResponse:
+    """SGLang's ``LoRAUpdateOutput``: 200, or 400 on failure."""
+    loaded = {name: {"lora_name": name, "lora_path": path} for name, path in state.adapters.items()}
+    body = {"success": success, "error_message": error, "loaded_adapters": loaded}
+    return JSONResponse(body, status_code=200 if success else 400)
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    """Load the peft LoRA adapter at ``lora_path`` under ``lora_name`` (SGLang's ``LoadLoRAAdapterReqInput``) and
+    apply it from now on (``miles.rollout.engines.adapters.read_adapter_dir``: its scaling folded into B). Every
+    later adapter must target the same modules with the same rank (the engine replaces the adapters whole). The
+    running batch finishes first, as for a weight update; ``pinned`` needs nothing here.
+    """
+    state = _state(request)
+    try:
+        body = await _body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"lora_name and lora_path must be non-empty strings, got {name!r} and {path!r}")
+        if name in state.adapters:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first or use another name")
+    except ValueError as err:
+        return _lora_result(state, False, f"bad load_lora_adapter request: {err}")
+    try:
+        named = await asyncio.to_thread(read_adapter_dir, path)
+        await asyncio.to_thread(_load_adapter_paused, state.engine, named)
+    except Exception as err:  # noqa: BLE001 - reported to the caller; the adapter before stays
+        message = f"Failed to load LoRA adapter {name!r} from {path}: {err}"
+        logger.warning(message)
+        return _lora_result(state, False, message)
+    state.adapters[name], state.active_adapter = path, name
+    logger.info("loaded LoRA adapter %s from %s (%d tensors)", name, path, len(named))
+    return _lora_result(state, True)
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Response:
+    """Forget adapter ``lora_name``; unloading the one the engine applies sets its B to zero (the base model)."""
+    state = _state(request)
+    try:
+        name = (await _body(request)).get("lora_name")
+        if name not in state.adapters:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(state.adapters)})")
+    except ValueError as err:
+        return _lora_result(state, False, str(err))
+    if name == state.active_adapter:
+        zeros = {n: torch.zeros_like(t) if ".lora_B." in n else t.clone() for n, t in _adapter_state(state.engine)}
+        await asyncio.to_thread(_load_adapter_paused, state.engine, zeros)
+        state.active_adapter = None
+    del state.adapters[name]
+    logger.info("unloaded LoRA adapter %s", name)
+    return _lora_result(state, True)
+
+
+def _adapter_state(engine: EmbeddedEngine) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in engine.model.state_dict().items() if is_adapter_name(n)]
+
+
+def _load_adapter_paused(engine: EmbeddedEngine, named: dict[str, torch.Tensor]) -> None:
+    """Load an adapter update with no batch running (the engine checks it whole first: nothing loads on an error)."""
+    was_paused = engine.paused
+    if not was_paused:
+        engine.pause_now("keep")
+    try:
+        engine.load_weights(named.items())
+    finally:
+        if not was_paused:
             engine.resume_now()
 
 

@@ -10,13 +10,20 @@ base weights stay as loaded: ``W`` is never sent merged while the engine also ap
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+from miles.sync import WeightUpdateError
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 ADAPTER = "default"  # peft's adapter name, as in the trainer's names
 _BASE = ".base_layer."
+PEFT_PREFIX = "base_model.model."  # peft's saved names: base_model.model.<module>.lora_A.weight
 
 
 def is_adapter_name(name: str) -> bool:
@@ -99,3 +106,98 @@ def base_name(state: dict[str, Tensor], name: str) -> str:
     prefix, _, last = name.rpartition(".")
     wrapped = f"{prefix}{_BASE}{last}"
     return wrapped if wrapped in state else name
+
+
+def write_adapter_dir(root: Path, version: int, named: Iterable[tuple[str, Tensor]]) -> Path:
+    """Write one adapter update as ``root/v{version:06d}`` in peft's format and return that directory.
+
+    Args:
+        named: every adapter tensor under the trainer's names (``<module>.lora_A.default.weight`` [r, in],
+            ``<module>.lora_B.default.weight`` [out, r], the scaling folded into B).
+    Raises: WeightUpdateError (one line) for a name that is no adapter tensor (``train.lora.sync adapter`` sends
+        adapters only), an update without adapters or with lora_A of several ranks; OSError when it cannot be
+        written. The directory appears whole or not at all (written beside it, then renamed).
+    """
+    tensors: dict[str, Tensor] = {}
+    targets: set[str] = set()
+    ranks: set[int] = set()
+    for name, tensor in named:
+        if not is_adapter_name(name):
+            raise WeightUpdateError(
+                f"a LoRA adapter update got {name!r}, which is no adapter tensor (with train.lora.sync "
+                "adapter the trainer sends lora_A / lora_B only)"
+            )
+        module = name.split(".lora_", 1)[0]
+        targets.add(module.rsplit(".", 1)[-1])
+        if ".lora_A." in name:
+            ranks.add(tensor.shape[0])
+        tensors[PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")] = tensor.detach().float().cpu().contiguous()
+    if not tensors or len(ranks) != 1:
+        raise WeightUpdateError(f"a LoRA adapter update needs lora_A tensors of one rank, got ranks {sorted(ranks)}")
+    (rank,) = ranks
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": rank,  # scaling 1: the trainer folded alpha / r into B
+        "use_rslora": False,
+        "target_modules": sorted(targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"v{version:06d}"
+    partial = root / f".v{version:06d}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    save_file(tensors, partial / "adapter_model.safetensors")
+    (partial / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    shutil.rmtree(final, ignore_errors=True)  # a retried version replaces its own earlier attempt
+    os.replace(partial, final)
+    return final
+
+
+def adapter_layout(
+    named: dict[str, Tensor], first: dict[str, tuple[int, ...]] | None, version: int
+) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of adapter update ``version``, checked against ``first`` (the first update's, None for
+    the first): a server engine holds one adapter set, and vLLM accepts an A of the wrong width without complaint.
+
+    Raises: WeightUpdateError (one line, naming a few differing tensors) when they differ.
+    """
+    layout = {name: tuple(tensor.shape) for name, tensor in named.items()}
+    if first is not None and layout != first:
+        changed = sorted(set(layout) ^ set(first)) or sorted(name for name in layout if layout[name] != first[name])
+        raise WeightUpdateError(
+            f"LoRA adapter v{version} differs from the adapters the servers hold in names or shapes, e.g. "
+            f"{changed[:3]} (train.lora rank or target_modules changed during the run?); nothing was loaded"
+        )
+    return layout
+
+
+def read_adapter_dir(path: str | Path) -> dict[str, Tensor]:
+    """A peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) as an adapter update: the
+    trainer's names (``<module>.lora_A.default.weight``), fp32, with the directory's scaling (lora_alpha / r, or
+    / sqrt(r) with use_rslora) folded into B, so ``apply_adapter_update`` applies it with scaling 1.
+
+    Raises: ValueError (one line naming the path) for a missing file, a peft_type other than LORA, or a tensor name
+    that is no LoRA A / B weight.
+    """
+    path = Path(path)
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+        saved = load_file(str(path / "adapter_model.safetensors"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"no readable peft adapter at {path}: {err}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"the adapter at {path} is {config.get('peft_type')!r}, not LORA")
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    scaling = alpha / rank**0.5 if config.get("use_rslora") else alpha / rank
+    named = {}
+    for name, tensor in saved.items():
+        module, dot, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        if not dot or kind not in ("A.weight", "B.weight"):
+            raise ValueError(f"the adapter at {path} holds {name!r}, which is no LoRA A / B weight")
+        tensor = tensor.float()
+        named[f"{module}.lora_{kind[0]}.{ADAPTER}.weight"] = tensor * scaling if kind[0] == "B" else tensor
+    return named

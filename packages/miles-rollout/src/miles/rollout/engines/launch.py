@@ -140,16 +140,23 @@ class SGLangSinkFactory:
         disk_root: ``engine.weight_transfer`` disk: the shared directory of an ``SGLangDiskWeightSink``; "" = the
             weight group's ``SGLangWeightSink``.
         config_from: the HF model directory whose config each disk version gets.
+        lora_rank: ``train.lora.sync adapter``: the servers apply LoRA adapters and the sink is a
+            ``SGLangAdapterSink`` writing to ``disk_root``; 0 = full weights.
     """
 
     urls: tuple[str, ...]
     timeout_s: float = 300.0
     disk_root: str = ""
     config_from: str = ""
+    lora_rank: int = 0
 
     def __call__(self) -> Any:
         from miles.rollout.engines.sglang import SGLangDiskWeightSink, SGLangEngine, SGLangWeightSink
 
+        if self.lora_rank:
+            from miles.rollout.engines.sglang_lora import SGLangAdapterSink
+
+            return SGLangAdapterSink(self.urls, root=self.disk_root, timeout_s=self.timeout_s)
         client = SGLangEngine(self.urls)  # an HTTP client only: the sink reads its worker URLs
         if self.disk_root:
             return SGLangDiskWeightSink(
@@ -276,12 +283,12 @@ def launch_engine(
         weight_dir: ``engine.weight_transfer`` disk without ``engine.weight_dir``: the directory the versions go
             to, removed by ``close``.
         lora_rank: ``train.lora.sync adapter``: the rank of the adapter the engine applies on top of its base
-            (vLLM: servers started with runtime LoRA loading, adapter versions written beside the run as with
-            ``engine.weight_transfer`` disk; the embedded engine takes adapters as they come); 0 = full weights.
+            (vLLM / SGLang: servers started with runtime LoRA loading, adapter versions written beside the run as
+            with ``engine.weight_transfer`` disk; the embedded engine and ``miles serve`` take adapters as they
+            come); 0 = full weights.
     ``engine.dtype`` auto is decided here for this machine (``miles.core.precision.resolve_dtype``).
     Raises: ServerStartError (one message with the server's log tail and the fix) when a server does not start;
-        EngineRestartError (its actor's error) when a server actor does not start; ValueError for ``lora_rank``
-        with SGLang servers (adapter updates are not built for them).
+        EngineRestartError (its actor's error) when a server actor does not start.
     """
     from miles.core.precision import resolve_dtype
 
@@ -295,8 +302,6 @@ def launch_engine(
             server_actors=server_actors, engine_placement=engine_placement, lora_rank=lora_rank,
         )  # fmt: skip
     elif isinstance(cfg, SGLangEngineConfig):
-        if lora_rank:
-            raise ValueError("LoRA adapter updates into SGLang servers are not built: set --train.lora.sync merged")
         launched = _sglang(
             cfg,
             model_path,
@@ -306,6 +311,7 @@ def launch_engine(
             colocate_with=colocate_with,
             engine_placement=engine_placement,
             disk_root=disk_root,
+            lora_rank=lora_rank,
         )
     else:
         raise TypeError(f"unknown engine config {type(cfg).__name__}")
@@ -531,10 +537,15 @@ def _sglang(
     colocate_with: Any = None,
     engine_placement: Any = None,
     disk_root: str,
+    lora_rank: int = 0,
 ) -> LaunchedEngine:
     from miles.rollout.engines.server import ServerStartError
     from miles.rollout.engines.sglang import SGLangDiskWeightSink, SGLangEngine, SGLangWeightSink
 
+    if lora_rank and cfg.server == "sglang":  # miles serve takes adapters without flags
+        from miles.rollout.engines.sglang_lora import lora_server_args
+
+        cfg = cfg.model_copy(update={"extra_args": [*lora_server_args(lora_rank), *cfg.extra_args]})
     launched = LaunchedEngine(None, None, "")
     urls = list(cfg.urls)
     router_url = None
@@ -576,6 +587,7 @@ def _sglang(
         request_timeout_s=cfg.request_timeout_s,
         max_retries=cfg.max_retries,
         routed_experts_shape=moe_routing_shape(model_path) if cfg.routed_experts else None,
+        adapter=bool(lora_rank),
     )
     where = ", ".join(urls) + (f" behind sglang-router at {router_url}" if router_url else "")
     owner = ", each in a Ray actor" if launched.server_actors else ""
@@ -584,10 +596,16 @@ def _sglang(
     elif engine_placement is not None and launched.server_actors:
         owner += " in an engine bundle of its own"
     launched.sink_factory = SGLangSinkFactory(
-        tuple(engine.worker_urls), disk_root=disk_root, config_from=str(model_path) if disk_root else ""
+        tuple(engine.worker_urls),
+        disk_root=disk_root,
+        config_from=str(model_path) if disk_root and not lora_rank else "",
+        lora_rank=lora_rank,
     )
     launched.engine = engine
-    if disk_root:
+    if lora_rank:
+        launched.weight_sink = launched.sink_factory()
+        where += f", LoRA adapters (rank {lora_rank}) through {disk_root}"
+    elif disk_root:
         launched.weight_sink = SGLangDiskWeightSink(engine, root=disk_root, config_from=model_path)
         where += f", weights through {disk_root}"
     else:

@@ -125,6 +125,9 @@ class SGLangEngine:
             token was routed to (``return_routed_experts``; the server needs ``--enable-return-routed-experts``):
             ``GenerateOutput.routed_experts`` [prompt + response tokens, num_layers, top_k] int32, for routing
             replay (R3). None: not asked.
+        adapter: the servers apply LoRA adapters pushed by a ``SGLangAdapterSink`` (``train.lora.sync adapter``):
+            from weight version 1 on every request names the adapter of the version the servers reported on the
+            last ``resume`` (``sglang_lora.adapter_name``); version 0 is the base model.
     Raises: ValueError for no workers, a timeout <= 0, max_retries < 0 or retry_backoff_s < 0.
 
     ``pause`` returns [] (SGLang's ``/pause_generation`` returns no outputs): the interrupted requests' outputs
@@ -145,6 +148,7 @@ class SGLangEngine:
         control_timeout_s: float = 300.0,
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
         routed_experts_shape: tuple[int, int] | None = None,
+        adapter: bool = False,
     ) -> None:
         if not worker_urls:
             raise ValueError("SGLangEngine needs at least one worker URL (http://host:port)")
@@ -164,6 +168,8 @@ class SGLangEngine:
         self.retry_backoff_s = retry_backoff_s
         self.control_timeout_s = control_timeout_s
         self.routed_experts_shape = routed_experts_shape  # (num_layers, top_k): ask for each token's MoE experts
+        self.adapter = adapter
+        self.adapter_version = 0  # adapter: the version requests name, read from the servers on each resume
         self._transport = transport
         self._next_worker = itertools.cycle(self.worker_urls)
         self._lock = threading.Lock()
@@ -185,8 +191,16 @@ class SGLangEngine:
         """``Engine.generate`` through ``/generate``."""
         if not request.prompt_tokens:
             raise ValueError("a generate request has an empty prompt; every request needs at least one token")
+        lora_path = None
+        if self.adapter and self.adapter_version >= 1:
+            from miles.rollout.engines.sglang_lora import adapter_name
+
+            lora_path = adapter_name(self.adapter_version)
         payload = generate_payload(
-            request, stop_token_ids=self.stop_token_ids, return_routed_experts=self.routed_experts_shape is not None
+            request,
+            stop_token_ids=self.stop_token_ids,
+            return_routed_experts=self.routed_experts_shape is not None,
+            lora_path=lora_path,
         )
         client = self._async_client()
         last_error: Exception | str | None = None
@@ -249,7 +263,10 @@ class SGLangEngine:
         return []
 
     async def resume(self) -> None:
-        """``/continue_generation`` on every worker. Raises: RuntimeError naming a worker that failed."""
+        """``/continue_generation`` on every worker (with ``adapter``: first read the version whose adapter requests
+        name from now on). Raises: RuntimeError naming a worker that failed."""
+        if self.adapter:
+            self.adapter_version = await asyncio.to_thread(lambda: self.weight_version)
         await self._apost_all("/continue_generation", {})
 
     async def flush_cache(self) -> None:
@@ -629,8 +646,8 @@ def _post_for_result(client: httpx.Client, url: str, path: str, body: dict[str, 
         answer = response.json()
     except ValueError:
         answer = None
-    if isinstance(answer, dict) and answer.get("success") is False:
-        return f"{url}{path}: {answer.get('message')}"
+    if isinstance(answer, dict) and answer.get("success") is False:  # LoRA endpoints name it error_message
+        return f"{url}{path}: {answer.get('message') or answer.get('error_message')}"
     if response.status_code != 200:
         return f"{url}{path} answered {response.status_code}: {_message(response)}"
     return None

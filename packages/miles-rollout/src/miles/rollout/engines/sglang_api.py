@@ -34,7 +34,7 @@ GENERATE_NEUTRAL: dict[str, tuple[Any, ...] | None] = {
     "input_embeds": (None,), "image_data": (None,), "video_data": (None,), "audio_data": (None,),
     "logprob_start_len": (None, -1), "top_logprobs_num": (None, 0), "token_ids_logprob": (None,),
     "return_text_in_logprobs": (False,), "stream": (False, None), "return_hidden_states": (False,),
-    "modalities": (None,), "session_params": (None,), "lora_path": (None,),
+    "modalities": (None,), "session_params": (None,),
     "lora_id": (None,), "custom_logit_processor": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
     "bootstrap_room": (None,), "data_parallel_rank": (None, 0), "routed_dp_rank": (None, 0), "extra_key": (None,),
     "cache_salt": (None,), "background": (False,), "return_entropy": (False,),
@@ -55,10 +55,15 @@ SAMPLING_NEUTRAL: dict[str, tuple[Any, ...] | None] = {
 
 # -- client side: Miles -> SGLang -> Miles ---------------------------------------------------------
 def generate_payload(
-    request: GenerateRequest, *, stop_token_ids: Sequence[int] | None, return_routed_experts: bool = False
+    request: GenerateRequest,
+    *,
+    stop_token_ids: Sequence[int] | None,
+    return_routed_experts: bool = False,
+    lora_path: str | None = None,
 ) -> dict[str, Any]:
     """The ``/generate`` body for ``request``: token ids in, log-probs requested, ``rid`` = ``request_id``; with
-    ``return_routed_experts`` the MoE experts each token was routed to (routing replay, R3)."""
+    ``return_routed_experts`` the MoE experts each token was routed to (routing replay, R3); with ``lora_path`` the
+    name of the loaded LoRA adapter to apply (SGLang's field takes a loaded adapter's name)."""
     sampling = request.sampling
     params: dict[str, Any] = {
         "temperature": sampling.temperature,
@@ -79,6 +84,8 @@ def generate_payload(
     }
     if return_routed_experts:  # only then: a server without the capturer rejects the flag
         body["return_routed_experts"] = True
+    if lora_path is not None:
+        body["lora_path"] = lora_path
     return body
 
 
@@ -223,7 +230,15 @@ def parse_generate_request(
         raise ValueError("the /generate body must be a JSON object")
     if body.get("text") is not None:
         raise ValueError("text is not supported: miles serve is token-in-token-out; send input_ids")
-    known = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "return_routed_experts"}
+    known = {
+        "text",
+        "input_ids",
+        "sampling_params",
+        "return_logprob",
+        "rid",
+        "return_routed_experts",
+        "lora_path",
+    }  # lora_path: checked by the server against its loaded adapters
     _check_neutral(body, GENERATE_NEUTRAL, known, "")
     return_routed = body.get("return_routed_experts") or False
     if not isinstance(return_routed, bool):

@@ -2,8 +2,8 @@
 
 The servers hold the base weights as loaded and apply one adapter, ``ADAPTER_NAME``, which every sampling request
 names once the first update arrived (``VLLMEngine(adapter=...)``). Each update is written as a peft adapter
-directory (``adapter_config.json`` + ``adapter_model.safetensors``, published by an atomic rename into a directory of
-its own per version) and loaded by every server with vLLM's runtime LoRA endpoint::
+directory (``miles.rollout.engines.adapters.write_adapter_dir``: a directory of its own per version, published by an
+atomic rename) and loaded by every server with vLLM's runtime LoRA endpoint::
 
     POST /v1/load_lora_adapter {"lora_name": "miles-adapter", "lora_path": <version dir>, "load_inplace": true}
 
@@ -21,18 +21,15 @@ SmolLM2-135M: the served log-probs with an adapter equal HF + peft's within 2.2e
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
-from miles.rollout.engines import adapters
+from miles.rollout.engines.adapters import adapter_layout, write_adapter_dir
 from miles.sync import WeightUpdateError
-from safetensors.torch import save_file
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -40,7 +37,6 @@ logger = logging.getLogger(__name__)
 ADAPTER_NAME = "miles-adapter"  # the one adapter a server holds; requests name it as their model
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values (LoRAConfig)
-PEFT_PREFIX = "base_model.model."  # peft's saved names: base_model.model.<module>.lora_A.weight
 
 
 def lora_server_args(rank: int) -> list[str]:
@@ -50,55 +46,6 @@ def lora_server_args(rank: int) -> list[str]:
     if rank < 1 or not fitting:
         raise ValueError(f"train.lora.rank is {rank}; vLLM serves adapters of rank 1 to {VLLM_LORA_RANKS[-1]}")
     return ["--enable-lora", "--max-lora-rank", str(fitting[0]), "--max-loras", "1", "--max-cpu-loras", "1"]
-
-
-def write_adapter_dir(root: Path, version: int, named: Iterable[tuple[str, Tensor]]) -> Path:
-    """Write one adapter update as ``root/v{version:06d}`` in peft's format and return that directory.
-
-    Args:
-        named: every adapter tensor under the trainer's names (``<module>.lora_A.default.weight`` [r, in],
-            ``<module>.lora_B.default.weight`` [out, r], the scaling folded into B).
-    Raises: WeightUpdateError (one line) for a name that is no adapter tensor (``train.lora.sync adapter`` sends
-        adapters only), an update without adapters or with lora_A of several ranks; OSError when it cannot be
-        written. The directory appears whole or not at all (written beside it, then renamed).
-    """
-    tensors: dict[str, Tensor] = {}
-    targets: set[str] = set()
-    ranks: set[int] = set()
-    for name, tensor in named:
-        if not adapters.is_adapter_name(name):
-            raise WeightUpdateError(
-                f"a LoRA adapter update for vLLM got {name!r}, which is no adapter tensor (with train.lora.sync "
-                "adapter the trainer sends lora_A / lora_B only)"
-            )
-        module = name.split(".lora_", 1)[0]
-        targets.add(module.rsplit(".", 1)[-1])
-        if ".lora_A." in name:
-            ranks.add(tensor.shape[0])
-        tensors[PEFT_PREFIX + name.replace(f".{adapters.ADAPTER}.", ".")] = tensor.detach().float().cpu().contiguous()
-    if not tensors or len(ranks) != 1:
-        raise WeightUpdateError(f"a LoRA adapter update needs lora_A tensors of one rank, got ranks {sorted(ranks)}")
-    (rank,) = ranks
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": rank,  # scaling 1: the trainer folded alpha / r into B
-        "use_rslora": False,
-        "target_modules": sorted(targets),
-        "lora_dropout": 0.0,
-        "bias": "none",
-    }
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"v{version:06d}"
-    partial = root / f".v{version:06d}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    save_file(tensors, partial / "adapter_model.safetensors")
-    (partial / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
-    shutil.rmtree(final, ignore_errors=True)  # a retried version replaces its own earlier attempt
-    os.replace(partial, final)
-    return final
 
 
 class VLLMAdapterSink:
@@ -146,15 +93,7 @@ class VLLMAdapterSink:
             raise ValueError(f"push version {version} is not newer than the engine's v{engine.weight_version}")
         start = time.perf_counter()
         named = dict(named_tensors)  # adapters are small (~rank / hidden of the model)
-        layout = {name: tuple(tensor.shape) for name, tensor in named.items()}
-        if self._layout is not None and layout != self._layout:
-            changed = sorted(set(layout) ^ set(self._layout)) or sorted(
-                name for name in layout if layout[name] != self._layout[name]
-            )
-            raise WeightUpdateError(
-                f"LoRA adapter v{version} differs from the adapters the servers hold in names or shapes, e.g. "
-                f"{changed[:3]} (train.lora rank or target_modules changed during the run?); nothing was loaded"
-            )
+        layout = adapter_layout(named, self._layout, version)
         path = write_adapter_dir(self.root, version, named.items())
         body = {"lora_name": ADAPTER_NAME, "lora_path": str(path), "load_inplace": True}
         try:
