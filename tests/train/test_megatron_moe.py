@@ -173,11 +173,13 @@ def test_two_ranks_replaying_the_engines_routing_equal_one_rank(moe_dir, rollout
     metrics = single.forward_backward(batch, OBJECTIVE, LossCounts.of(batch))
     for key in ("loss", "loss/pg"):  # the worker's two accumulations add up to the one-rank single call's
         assert result["metrics"][key] == pytest.approx(metrics[key], abs=1e-5), key
+    # atol 1e-5: sequence-parallel reductions sum in another order; measured up to 3.4e-6 (2 of 1024 entries of the
+    # embedding gradient) on an AVX2 AMD EPYC, ~1e-7 on an AVX-512 CPU
     for name, grad in single.full_gradients().items():
-        torch.testing.assert_close(result["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+        torch.testing.assert_close(result["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=name)
     single.optimizer_step()
-    # atol 1e-5: the gradients agree to ~1e-6 (sequence-parallel reductions round differently), which the first
-    # AdamW step (~lr * g / (|g| + eps), lr 1e-2, eps 1e-4) can scale by up to lr / eps = 100 for small entries
+    # atol 1e-5: the gradients' rounding differences, which the first AdamW step (~lr * g / (|g| + eps), lr 1e-2,
+    # eps 1e-4) can scale by up to lr / eps = 100 for small entries
     for name, tensor in single.full_state_dict().items():
         torch.testing.assert_close(result["state"][name], tensor, atol=1e-5, rtol=0, msg=name)
         assert torch.equal(result["pushed"][name], result["state"][name]), name  # every expert pushed, in place
