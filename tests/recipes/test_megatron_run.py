@@ -28,9 +28,15 @@ def _rows(run_dir):
     return [r for r in rows if "loss" in r]
 
 
-def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2_dir, tmp_path, monkeypatch):
+LORA = ["--train.lora.rank", "4", "--train.lora.alpha", "8"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2_dir, tmp_path, monkeypatch, lora):
+    """With LoRA: adapters on the fused linears, merged pushes, the reference is the policy with its adapters off,
+    and the checkpoint's adapter/ resumes them."""
     monkeypatch.syspath_prepend(TINY_RUN_PATH)
-    args = ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES]
+    args = ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES, *(LORA if lora else [])]
     cfg = resolve_config("smollm2_grpo_arithmetic", args)
     result = run(cfg, tmp_path / "whole")
     assert result.steps_done == 3
@@ -40,13 +46,14 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
     # Steps 2 and 3 sample with the weights Megatron pushed after steps 1 and 2 (fused q/k/v and gate/up split back
     # into HF's tensors, the tied embedding once): engine and trainer agree to fp32 rounding.
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows), rows
-    assert rows[-1]["loss/kl"] > 0  # the reference (a frozen Megatron copy of the initial policy) differs
+    assert rows[-1]["loss/kl"] > 0  # the reference (a frozen Megatron copy, or the adapters off) differs
     config = yaml.safe_load((tmp_path / "whole" / "config.yaml").read_text())
     assert config["train"]["backend"] == "megatron" and config["train"]["dtype"] == "fp32"  # auto -> fp32, logged
     assert "train.dtype auto -> fp32: train.backend megatron" in (tmp_path / "whole" / "train.log").read_text()
     checkpoint = tmp_path / "whole" / "checkpoints" / "step_2"
     assert (checkpoint / "optimizer" / "tp0_ep0.pt").is_file()
     assert (checkpoint / "model" / "model.safetensors").is_file()
+    assert (checkpoint / "adapter" / "megatron_adapters.safetensors").is_file() == lora
 
     # Stop after step 2, resume: step 3 equals the uninterrupted run's.
     run(resolve_config("smollm2_grpo_arithmetic", [*args, "--loop.num-steps", "2"]), tmp_path / "cut")
@@ -60,7 +67,14 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--train.lora.rank", "4"], "does not support train.lora \\(LoRA\\) yet: use --train.lora off"),
+        (
+            ["--train.lora.sync", "adapter"],
+            "does not support train.lora.sync adapter yet: use --train.lora.sync merged",
+        ),
+        (
+            ["--train.lora.target-modules", '["q_proj", "v_proj"]'],
+            r"lists \['q_proj', 'v_proj'\] of \['q_proj', 'k_proj', 'v_proj'\]: Megatron fuses them",
+        ),
         (["--train.dtype", "bf16"], "does not support train.dtype bf16 yet"),
         (
             ["--train.megatron.tensor-parallel-size", "2"],
@@ -73,9 +87,19 @@ def test_what_megatron_does_not_hold_yet_is_refused_before_any_model_loads(tiny_
         resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES, *extra])
 
 
-def test_a_model_megatron_cannot_convert_is_refused_before_any_engine_starts(tmp_path):
-    deepseek = save_moe_model("deepseek_v3", tmp_path / "deepseek_v3")
-    cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(deepseek), *OVERRIDES])
-    with pytest.raises(RunSetupError, match=r"models.policy.path \(.*\): .*model type 'deepseek_v3' has no Megatron"):
+@pytest.mark.parametrize(
+    ("model_type", "extra", "message"),
+    [
+        ("deepseek_v3", [], r"models.policy.path \(.*\): .*model type 'deepseek_v3' has no Megatron"),
+        ("qwen3_moe", LORA, r"is an MoE model: train.backend megatron does not support train.lora on MoE models"),
+    ],
+)
+def test_a_model_megatron_cannot_train_is_refused_before_any_engine_starts(
+    tmp_path, monkeypatch, model_type, extra, message
+):
+    monkeypatch.syspath_prepend(TINY_RUN_PATH)  # the reward plugin (imported before the model check)
+    model = save_moe_model(model_type, tmp_path / model_type)
+    cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(model), *OVERRIDES, *extra])
+    with pytest.raises(RunSetupError, match=message):
         run(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

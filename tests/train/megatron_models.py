@@ -39,3 +39,15 @@ def save_tiny(path: Path, model_type: str, seed: int = 0) -> Path:
                 param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(path)
     return path
+
+
+def set_lora_b(backend, seed: int = 0, scale: float = 0.05) -> None:
+    """Give every LoRA B of a Megatron backend the same random full tensor whatever its tensor-parallel size (each
+    rank its shard), so the adapters act and A gets gradients."""
+    from miles.train.megatron.convert import shard_of
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in sorted(backend.lora_layers.items()):
+            full = scale * torch.randn(layer.base_layer.output_size, layer.lora_B.shape[1], generator=g)
+            layer.lora_B.copy_(shard_of(full, layer.lora_B, rank=backend.tp_rank, world=backend.tensor_parallel))

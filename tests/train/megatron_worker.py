@@ -3,8 +3,10 @@ python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL[xEXPERT
 
 Every rank: log-probs of the whole batch, forward_backward of its replica's rows with the global loss counts, full
 gradients, one optimizer step, a push into rank 0's recording sink, the full state and a checkpoint; rank 0 saves
-what it saw into OUT (and the checkpoint into OUT.ckpt)."""
+what it saw into OUT (and the checkpoint into OUT.ckpt). ``MEGATRON_WORKER_LORA=R``: LoRA adapters of rank R
+(alpha 2R) on every targeted layer, so the gradients are the adapters' (Megatron names)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -39,9 +41,16 @@ def main(
         batch_layout=layout,
         lr=1e-2,
         adam_eps=1e-4,  # see test_log_probs_gradients_and_a_step_equal_the_fsdp2_backend
+        lora={"rank": int(rank_), "alpha": 2.0 * int(rank_)}
+        if (rank_ := os.environ.get("MEGATRON_WORKER_LORA"))
+        else None,
     )
     sink = RecordingSink() if rank == 0 else None
     backend = MegatronBackend(model_dir, train=train, temperature=1.0, weight_sink=sink)
+    if train.lora is not None:
+        from megatron_models import set_lora_b
+
+        set_lora_b(backend)  # the adapters act from the start: A's gradients and the forward are tested too
     objective = PolicyObjective(AlgorithmConfig(), max_new_tokens=8)
     batch = make_batch()
     if batch_file is not None:  # the TrainBatch's tensors (no pickled objects: see tests/test_security.py)

@@ -152,8 +152,10 @@ class MilesConfig(BaseModel):
         train = self.train
         if train.backend != "megatron":
             return
+        lora = train.lora
         refused = (
-            (train.lora is not None, "train.lora (LoRA)", "--train.lora off"),
+            (lora is not None and lora.sync == "adapter", "train.lora.sync adapter", "--train.lora.sync merged"),
+            (lora is not None and lora.dropout > 0, "train.lora.dropout > 0", "--train.lora.dropout 0"),
             (self.models.critic is not None, "a critic (models.critic, advantage gae)", "another advantage estimator"),
             (train.dtype == "bf16", "train.dtype bf16", "--train.dtype fp32"),
         )
@@ -163,6 +165,10 @@ class MilesConfig(BaseModel):
                     f"train.backend is 'megatron', which does not support {what} yet: use {fix}, or "
                     "--train.backend fsdp2"
                 )
+        if lora is not None:
+            from miles.train.megatron.lora import megatron_targets
+
+            megatron_targets(lora.target_modules)  # fused q/k/v and gate/up are targeted whole
         tensor_parallel, expert_parallel = train.megatron.tensor_parallel_size, train.megatron.expert_parallel_size
         if train.world_size % (tensor_parallel * expert_parallel):
             raise ValueError(

@@ -1015,6 +1015,15 @@ def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:
             )
         except ValueError as err:
             raise RunSetupError(str(err)) from None
+    if cfg.train.lora is not None:
+        from miles.train.megatron.convert import is_moe
+        from transformers import AutoConfig
+
+        if is_moe(AutoConfig.from_pretrained(model_path)):
+            raise RunSetupError(
+                f"models.policy.path ({model_path}) is an MoE model: train.backend megatron does not support "
+                "train.lora on MoE models yet; use --train.backend fsdp2 or --train.lora off"
+            )
 
 
 def _check_room(cfg: MilesConfig, run_dir: Path, *, model_path: Path, resume_from: Path | None) -> None:

@@ -12,6 +12,7 @@ last two).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -37,6 +38,7 @@ from miles.train.fsdp2.backend import WeightSink, all_reduce_metrics, drain_weig
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from miles.train.fsdp2.state import write_model_dir
 from miles.train.megatron import convert
+from miles.train.megatron import lora as megatron_lora
 from miles.train.megatron.cpu import apply_if_no_gpu
 from torch import Tensor
 
@@ -263,9 +265,14 @@ class MegatronBackend:
     teacher_temperature, weight_sink); the tensor-parallel size is ``train.megatron.tensor_parallel_size``.
     The reference and teacher are frozen ``GPTModel``s with the same tensor-parallel layout.
 
-    Raises: ValueError (one line naming the setting) for what this backend does not hold yet: LoRA, a critic,
-        bf16, a model architecture without a conversion, a tensor-parallel size that does not divide the heads or
-        the world size.
+    With ``train.lora`` the targeted linears get adapters that follow their tensor-parallel split
+    (``miles.train.megatron.lora``), the optimizer holds the adapters only, a reference at the policy's path is the
+    policy with its adapters off (no second model), pushes and ``model/`` are the merged weights and a checkpoint
+    also holds ``adapter/`` (the adapters, Megatron names, whole) for resume.
+
+    Raises: ValueError (one line naming the setting) for what this backend does not hold yet: a critic, bf16,
+        LoRA adapter sync / dropout / MoE models, a model architecture without a conversion, a tensor-parallel size
+        that does not divide the heads or the world size.
     """
 
     def __init__(
@@ -285,8 +292,10 @@ class MegatronBackend:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from transformers import AutoConfig
 
+        lora = train.lora
         for refused, what in (
-            (train.lora is not None, "train.lora (LoRA)"),
+            (lora is not None and lora.sync != "merged", "train.lora.sync adapter (use --train.lora.sync merged)"),
+            (lora is not None and lora.dropout > 0, "train.lora.dropout > 0 (use --train.lora.dropout 0)"),
             (critic_path is not None, "a critic (advantage gae)"),
             (train.dtype == "bf16", "train.dtype bf16"),
             (torch.cuda.is_available(), "CUDA devices (it trains on the CPU; run with CUDA_VISIBLE_DEVICES=)"),
@@ -314,7 +323,16 @@ class MegatronBackend:
         self.model_path = Path(model_path)
         self.weight_sink = weight_sink
         self.hf_config = AutoConfig.from_pretrained(model_path)
+        if lora is not None and convert.is_moe(self.hf_config):
+            raise ValueError("train.backend megatron does not support train.lora on MoE models yet; use fsdp2")
         self.gpt = self._build(model_path)
+        self.lora_layers: dict[str, megatron_lora.LoraParallelLinear] = {}
+        if lora is not None:
+            self.lora_layers = megatron_lora.apply_lora(
+                self.gpt, target_modules=lora.target_modules, rank=lora.rank, alpha=lora.alpha,
+                use_rslora=lora.use_rslora, init_seed=lora.init_seed, tp_rank=self.tp_rank,
+                tp_size=self.tensor_parallel,
+            )  # fmt: skip
         self.model = DistributedDataParallel(
             self.gpt.config,
             DistributedDataParallelConfig(
@@ -323,14 +341,22 @@ class MegatronBackend:
             self.gpt,
         )
         self.optimizer = torch.optim.AdamW(
-            list(self.gpt.parameters()),
+            [p for p in self.gpt.parameters() if p.requires_grad],  # LoRA: the adapters only
             lr=train.lr,
             betas=(train.adam_beta1, train.adam_beta2),
             eps=train.adam_eps,
             weight_decay=train.weight_decay,
         )
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps=train.warmup_steps)
-        self.ref_model = self._build(reference_path, frozen=True) if reference_path is not None else None
+        # LoRA with the initial policy as reference: the policy with its adapters off, no second model
+        self.ref_is_base = (
+            lora is not None
+            and reference_path is not None
+            and Path(reference_path).resolve() == self.model_path.resolve()
+        )
+        self.ref_model = None
+        if reference_path is not None and not self.ref_is_base:
+            self.ref_model = self._build(reference_path, frozen=True)
         self.teacher_model = self._build(teacher_path, frozen=True) if teacher_path is not None else None
         self.step = 0
         self.num_skipped_steps = 0
@@ -371,7 +397,9 @@ class MegatronBackend:
         """Copy this rank's shards of an HF state dict into ``model`` (its experts: the ones its expert-parallel
         rank holds). Raises: ValueError naming missing or unexpected tensors."""
         full = convert.hf_to_megatron(hf_state, hf_config, tensor_parallel=self.tensor_parallel)
-        params = dict(model.named_parameters())
+        # LoRA: the base weights sit under base_layer; the adapters are not in an HF checkpoint
+        params = {name.replace(".base_layer.", "."): p for name, p in model.named_parameters()
+                  if not name.endswith((".lora_A", ".lora_B"))}  # fmt: skip
         offset = self.ep_rank * hf_config.num_experts // self.expert_parallel if convert.is_moe(hf_config) else 0
         wanted = {name: convert.global_expert_name(name, offset) for name in params}
         missing = sorted(g for g in wanted.values() if g not in full)
@@ -398,7 +426,7 @@ class MegatronBackend:
     def available_outputs(self) -> frozenset[str]:
         """The ``forward`` outputs this backend can compute (the models it holds)."""
         held = {"old_log_probs"}
-        held |= {"ref_log_probs"} if self.ref_model is not None else set()
+        held |= {"ref_log_probs"} if self.ref_model is not None or self.ref_is_base else set()
         held |= {"teacher_log_probs"} if self.teacher_model is not None else set()
         return frozenset(held)
 
@@ -441,13 +469,16 @@ class MegatronBackend:
                 f"backend.forward: cannot compute {sorted(outputs - self.available_outputs)}; this backend holds "
                 f"{sorted(self.available_outputs)} (a reference needs algorithm.kl on, a teacher models.teacher)"
             )
-        models = {"old_log_probs": self.model, "ref_log_probs": self.ref_model, "teacher_log_probs": self.teacher_model}
+        ref = self.model if self.ref_is_base else self.ref_model  # LoRA: the policy with its adapters off
+        models = {"old_log_probs": self.model, "ref_log_probs": ref, "teacher_log_probs": self.teacher_model}
         parts: dict[str, list[Tensor]] = {name: [] for name in models if name in outputs}
         width = batch.loss_mask.shape[1]
         for mb in split_micro_batches(batch, self.train_cfg.micro_batch_size) if parts else []:
             for name in parts:
                 temperature = self.teacher_temperature if name == "teacher_log_probs" else None
-                lp = self._log_probs(models[name], mb, with_entropy=False, temperature=temperature)[0]
+                base = name == "ref_log_probs" and self.ref_is_base
+                with megatron_lora.adapters_disabled(self.gpt) if base else contextlib.nullcontext():
+                    lp = self._log_probs(models[name], mb, with_entropy=False, temperature=temperature)[0]
                 parts[name].append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
         return batch.replace(**{name: torch.cat(values) for name, values in parts.items()})
 
@@ -461,6 +492,7 @@ class MegatronBackend:
         Returns: global metrics, reduced over the data-parallel replicas.
         Raises: ValueError when ``counts`` are this replica's rather than the global batch's.
         """
+
         def backward(loss: Tensor, i: int, num_micro_batches: int) -> None:
             (loss * self.dp_size).backward()  # DDP averages over replicas; the loss already divides by global counts
 
@@ -548,15 +580,21 @@ class MegatronBackend:
         """Full gradients by HF name (collective over the TP group; for tests and diagnostics), read from the
         gradient buffers after ``forward_backward``."""
         self._finalize_grads()
+        if self.lora_layers:  # the adapters' gradients, Megatron names (they have no HF names)
+            grads = ((name, p.main_grad) for name, p in self.gpt.named_parameters() if p.requires_grad)
+            return {name: t.clone() for name, t in self._gathered(grads)}
         grads = ((name, p.main_grad) for name, p in self.gpt.named_parameters())
         return {name: t.clone() for name, t in convert.megatron_to_hf(self._gathered(grads), self.hf_config)}
 
     # -- weights and checkpoints ----------------------------------------------------------------
-    def _gathered(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    def _gathered(
+        self, named: Iterable[tuple[str, Tensor]], layouts: dict[str, Tensor] | None = None
+    ) -> Iterator[tuple[str, Tensor]]:
         """Full tensors from this rank's shards, one at a time: an all-gather over the (expert-)tensor-parallel ranks
         per split tensor, and for an expert's weight under expert parallelism one over the expert-parallel ranks,
-        yielding every rank's expert under its global index (Megatron names)."""
-        params = dict(self.gpt.named_parameters())
+        yielding every rank's expert under its global index (Megatron names). ``layouts``: the parameter whose
+        split a name's shard has, where the name is not a parameter's (LoRA's merged weights)."""
+        params = dict(self.gpt.named_parameters()) | (layouts or {})
         local_experts = self.hf_config.num_experts // self.expert_parallel if convert.is_moe(self.hf_config) else 0
         for name, shard in named:
             param, shard = params[name], shard.detach()
@@ -580,7 +618,13 @@ class MegatronBackend:
 
         Collective with tensor parallelism: every rank must read the whole stream, in order (``drain_weights``).
         """
-        stream = convert.megatron_to_hf(self._gathered(self.gpt.named_parameters()), self.hf_config)
+        if self.lora_layers:  # W + scaling * B A per layer, merged on each rank's shard, then gathered as usual
+            merged = list(megatron_lora.merged_parameters(self.gpt))
+            layouts = {name: param for name, _, param in merged}
+            named = self._gathered(((name, tensor) for name, tensor, _ in merged), layouts)
+        else:
+            named = self._gathered(self.gpt.named_parameters())
+        stream = convert.megatron_to_hf(named, self.hf_config)
         if self.tensor_parallel == 1:
             return list(stream)  # views of the live parameters: a sender may resend it
         return stream
@@ -614,6 +658,7 @@ class MegatronBackend:
         from megatron.core import parallel_state
 
         weights = self.full_state_dict()
+        adapters = self._full_adapters()  # collective
         nonfinite = [name for name, tensor in weights.items() if not torch.isfinite(tensor).all()]
         if nonfinite:
             raise FloatingPointError(
@@ -625,6 +670,8 @@ class MegatronBackend:
         try:  # every rank reaches the agreement below, so a rank whose write failed never leaves the others waiting
             if self.rank == 0:
                 self._write_model_dir(weights, path)
+                if adapters:
+                    self._write_adapters(adapters, path / "adapter")
             if parallel_state.get_expert_data_parallel_rank() == 0:  # the first copy of its dense and expert states
                 (path / "optimizer").mkdir(parents=True, exist_ok=True)
                 torch.save(
@@ -651,6 +698,43 @@ class MegatronBackend:
         }
         (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
+    def _full_adapters(self) -> dict[str, Tensor]:
+        """The adapters whole (Megatron names; collective over the tensor-parallel ranks); {} without LoRA."""
+        named = ((name, p) for name, p in self.gpt.named_parameters() if p.requires_grad and self.lora_layers)
+        return {name: tensor.clone() for name, tensor in self._gathered(named)}
+
+    def _write_adapters(self, adapters: dict[str, Tensor], path: Path) -> None:
+        from safetensors.torch import save_file
+
+        lora = self.train_cfg.lora
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({n: t.contiguous() for n, t in adapters.items()}, str(path / ADAPTER_FILE))
+        settings = {key: getattr(lora, key) for key in LORA_SETTINGS}
+        (path / "lora.json").write_text(json.dumps(settings, indent=2))
+
+    def _load_adapters(self, path: Path) -> None:
+        """The adapters of ``save``'s ``adapter/`` into this rank's shards. Raises: ValueError (one line) for a
+        checkpoint without them or written with other LoRA settings."""
+        from safetensors.torch import load_file
+
+        if not (path / ADAPTER_FILE).is_file():
+            raise ValueError(
+                f"{path.parent} has no adapter/ but this run trains LoRA adapters (train.lora); resume from a "
+                "checkpoint of a LoRA run, or turn train.lora off"
+            )
+        saved = json.loads((path / "lora.json").read_text())
+        for key in LORA_SETTINGS:
+            if saved.get(key) != getattr(self.train_cfg.lora, key):
+                raise ValueError(
+                    f"{path.parent} was written with train.lora.{key} {saved.get(key)!r}, this run has "
+                    f"{getattr(self.train_cfg.lora, key)!r}; resume with the checkpoint's value"
+                )
+        full = load_file(str(path / ADAPTER_FILE))
+        with torch.no_grad():
+            for name, param in self.gpt.named_parameters():
+                if param.requires_grad:
+                    param.copy_(convert.shard_of(full[name], param, rank=self.tp_rank, world=self.tensor_parallel))
+
     @property
     def _optimizer_file(self) -> str:
         return f"tp{self.tp_rank}_ep{self.ep_rank}.pt"
@@ -676,11 +760,19 @@ class MegatronBackend:
                     f"{path} was written with train.megatron.{key} {saved}, this run uses {size}; resume with "
                     f"--train.megatron.{key.replace('_', '-')} {saved}"
                 )
-        self._load_hf(self.gpt, _hf_state(path / "model"), self.hf_config)
+        if self.lora_layers:  # the base as the run started it, then the adapters (model/ holds the merged weights)
+            self._load_hf(self.gpt, _hf_state(self.model_path), self.hf_config)
+            self._load_adapters(path / "adapter")
+        else:
+            self._load_hf(self.gpt, _hf_state(path / "model"), self.hf_config)
         state = torch.load(path / "optimizer" / self._optimizer_file, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]
+
+
+ADAPTER_FILE = "megatron_adapters.safetensors"
+LORA_SETTINGS = ("rank", "alpha", "use_rslora", "target_modules")  # a resume must match these
 
 
 def _hf_config(path: str | Path) -> Any:
