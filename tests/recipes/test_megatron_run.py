@@ -31,12 +31,13 @@ def _rows(run_dir):
 LORA = ["--train.lora.rank", "4", "--train.lora.alpha", "8"]
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [None, "merged", "adapter"], ids=["full", "lora", "lora_adapter_sync"])
 def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2_dir, tmp_path, monkeypatch, lora):
-    """With LoRA: adapters on the fused linears, merged pushes, the reference is the policy with its adapters off,
-    and the checkpoint's adapter/ resumes them."""
+    """With LoRA: adapters on the fused linears, merged pushes or HF adapters the engine applies, the reference is
+    the policy with its adapters off, and the checkpoint's adapter/ resumes them."""
     monkeypatch.syspath_prepend(TINY_RUN_PATH)
-    args = ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES, *(LORA if lora else [])]
+    args = ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES]
+    args += [*LORA, "--train.lora.sync", lora] if lora else []
     cfg = resolve_config("smollm2_grpo_arithmetic", args)
     result = run(cfg, tmp_path / "whole")
     assert result.steps_done == 3
@@ -53,7 +54,7 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
     checkpoint = tmp_path / "whole" / "checkpoints" / "step_2"
     assert (checkpoint / "optimizer" / "tp0_ep0.pt").is_file()
     assert (checkpoint / "model" / "model.safetensors").is_file()
-    assert (checkpoint / "adapter" / "megatron_adapters.safetensors").is_file() == lora
+    assert (checkpoint / "adapter" / "megatron_adapters.safetensors").is_file() == bool(lora)
 
     # Stop after step 2, resume: step 3 equals the uninterrupted run's.
     run(resolve_config("smollm2_grpo_arithmetic", [*args, "--loop.num-steps", "2"]), tmp_path / "cut")
@@ -68,8 +69,8 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
     ("extra", "message"),
     [
         (
-            ["--train.lora.sync", "adapter"],
-            "does not support train.lora.sync adapter yet: use --train.lora.sync merged",
+            ["--train.lora.dropout", "0.1"],
+            "does not support train.lora.dropout > 0 yet: use --train.lora.dropout 0",
         ),
         (
             ["--train.lora.target-modules", '["q_proj", "v_proj"]'],

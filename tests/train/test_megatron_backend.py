@@ -161,8 +161,8 @@ def test_save_then_load_resumes_exactly_and_refuses_another_tensor_parallel_size
 
 
 def test_what_the_backend_does_not_hold_yet_is_refused_in_one_line(tiny_models, tmp_path):
-    with pytest.raises(ValueError, match=r"train.lora.sync adapter \(use --train.lora.sync merged\) yet"):
-        _megatron(tiny_models["llama"], lora={"sync": "adapter"})
+    with pytest.raises(ValueError, match=r"train.lora.dropout > 0 \(use --train.lora.dropout 0\) yet"):
+        _megatron(tiny_models["llama"], lora={"dropout": 0.1})
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
         convert.transformer_config_kwargs(_hf(tiny_models["llama"]).config, tensor_parallel=3, dtype=torch.float32)
     from transformers import AutoConfig

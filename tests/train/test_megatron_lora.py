@@ -94,6 +94,33 @@ def test_the_model_is_the_merged_weights_it_pushes_and_the_reference_is_the_base
     assert all(not torch.equal(after[n], merged[n]) for n in changed)
 
 
+def test_adapter_sync_sends_hf_adapters_sharing_a_that_compute_what_the_fused_ones_do(qwen2_dir):
+    """train.lora.sync adapter: linear_qkv's adapter as q/k/v_proj adapters with one A and B split per query group
+    (scaling folded in), linear_fc1's as gate/up_proj: an HF model given them computes what Megatron does."""
+    from miles.rollout.engines.adapters import apply_adapter_update
+    from transformers import AutoModelForCausalLM
+
+    backend = _backend(qwen2_dir, lora={**LORA, "sync": "adapter"})
+    set_lora_b(backend)
+    sent = dict(backend.export_weights())
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert len(sent) == 2 * len(targets) * 2 and all(".lora_" in name for name in sent)
+    prefix = "model.layers.0.self_attn"
+    assert torch.equal(sent[f"{prefix}.q_proj.lora_A.default.weight"], sent[f"{prefix}.v_proj.lora_A.default.weight"])
+    model = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32)
+    apply_adapter_update(model, sent.items())  # what the embedded engine does with an adapter update
+    batch = make_batch()
+    with torch.no_grad():
+        lp, _ = model_response_log_probs(
+            model, batch.tokens, batch.attention_mask, batch.prompt_lengths,
+            num_response_columns=batch.loss_mask.shape[1], temperature=1.0, with_entropy=False,
+        )  # fmt: skip
+    ours = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    torch.testing.assert_close(ours * batch.loss_mask, lp * batch.loss_mask, atol=1e-5, rtol=0)
+    merged = backend.full_state_dict()  # the checkpoint's model/: merged, whichever sync
+    torch.testing.assert_close(ours * batch.loss_mask, _hf_log_probs(merged, qwen2_dir, batch), atol=1e-5, rtol=0)
+
+
 def test_a_checkpoint_resumes_the_adapters_exactly_and_refuses_other_lora_settings(qwen2_dir, tmp_path):
     batch = make_batch()
     first = _backend(qwen2_dir)

@@ -154,7 +154,6 @@ class MilesConfig(BaseModel):
             return
         lora = train.lora
         refused = (
-            (lora is not None and lora.sync == "adapter", "train.lora.sync adapter", "--train.lora.sync merged"),
             (lora is not None and lora.dropout > 0, "train.lora.dropout > 0", "--train.lora.dropout 0"),
             (self.models.critic is not None, "a critic (models.critic, advantage gae)", "another advantage estimator"),
             (train.dtype == "bf16", "train.dtype bf16", "--train.dtype fp32"),

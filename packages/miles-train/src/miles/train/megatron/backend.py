@@ -267,11 +267,12 @@ class MegatronBackend:
 
     With ``train.lora`` the targeted linears get adapters that follow their tensor-parallel split
     (``miles.train.megatron.lora``), the optimizer holds the adapters only, a reference at the policy's path is the
-    policy with its adapters off (no second model), pushes and ``model/`` are the merged weights and a checkpoint
-    also holds ``adapter/`` (the adapters, Megatron names, whole) for resume.
+    policy with its adapters off (no second model), pushes are the merged weights or (``train.lora.sync adapter``)
+    the adapters under HF names, ``model/`` holds the merged weights and ``adapter/`` the adapters (Megatron names,
+    whole) for resume.
 
     Raises: ValueError (one line naming the setting) for what this backend does not hold yet: a critic, bf16,
-        LoRA adapter sync / dropout / MoE models, a model architecture without a conversion, a tensor-parallel size
+        LoRA dropout / MoE models, a model architecture without a conversion, a tensor-parallel size
         that does not divide the heads or the world size.
     """
 
@@ -294,7 +295,6 @@ class MegatronBackend:
 
         lora = train.lora
         for refused, what in (
-            (lora is not None and lora.sync != "merged", "train.lora.sync adapter (use --train.lora.sync merged)"),
             (lora is not None and lora.dropout > 0, "train.lora.dropout > 0 (use --train.lora.dropout 0)"),
             (critic_path is not None, "a critic (advantage gae)"),
             (train.dtype == "bf16", "train.dtype bf16"),
@@ -618,20 +618,42 @@ class MegatronBackend:
 
         Collective with tensor parallelism: every rank must read the whole stream, in order (``drain_weights``).
         """
-        if self.lora_layers:  # W + scaling * B A per layer, merged on each rank's shard, then gathered as usual
-            merged = list(megatron_lora.merged_parameters(self.gpt))
-            layouts = {name: param for name, _, param in merged}
-            named = self._gathered(((name, tensor) for name, tensor, _ in merged), layouts)
+        if self.lora_layers and self.train_cfg.lora.sync == "adapter":
+            stream = self._hf_adapters()
+        elif self.lora_layers:
+            stream = self._merged_hf()
         else:
-            named = self._gathered(self.gpt.named_parameters())
-        stream = convert.megatron_to_hf(named, self.hf_config)
+            stream = convert.megatron_to_hf(self._gathered(self.gpt.named_parameters()), self.hf_config)
         if self.tensor_parallel == 1:
             return list(stream)  # views of the live parameters: a sender may resend it
         return stream
 
+    def _merged_hf(self) -> Iterator[tuple[str, Tensor]]:
+        """LoRA's merged weights under HF names: W + scaling * B A merged on each rank's shard, then gathered and
+        converted as plain weights are. Collective over the tensor-parallel ranks."""
+        layouts = {name.replace(".base_layer.", "."): p for name, p in self.gpt.named_parameters()}
+        merged = megatron_lora.merged_parameters(self.gpt)
+        return convert.megatron_to_hf(self._gathered(merged, layouts), self.hf_config)
+
+    def _hf_adapters(self) -> Iterator[tuple[str, Tensor]]:
+        """The adapters as HF-named LoRA tensors for an engine that applies them (``train.lora.sync adapter``):
+        a fused layer's adapter becomes one per HF projection, sharing A, with B (times the scaling, so the engine
+        applies scaling 1) split by rows as the fused weight is (q/k/v per query group, gate/up): the same function.
+        Collective over the tensor-parallel ranks, one layer at a time."""
+        for module, layer in self.lora_layers.items():
+            named = [(f"{module}.lora_A", layer.lora_A), (f"{module}.lora_B", layer.lora_B)]
+            (_, a), (_, b) = list(self._gathered(named))
+            with torch.no_grad():
+                b = b.float() * layer.scaling
+            for hf_name, part in convert.megatron_to_hf([(f"{module}.weight", b)], self.hf_config):
+                prefix = hf_name.removesuffix(".weight")
+                yield f"{prefix}.lora_A.default.weight", a.detach().clone()  # one copy per projection
+                yield f"{prefix}.lora_B.default.weight", part.contiguous()
+
     def full_state_dict(self) -> dict[str, Tensor]:
-        """Full fp32 weights by HF name, copies (collective over the TP group)."""
-        return {name: tensor.clone() for name, tensor in self.export_weights()}
+        """Full fp32 weights by HF name (with LoRA: merged), copies (collective over the TP group)."""
+        stream = self._merged_hf() if self.lora_layers else self.export_weights()
+        return {name: tensor.clone() for name, tensor in stream}
 
     def push_weights(self, version: int) -> None:
         """As ``FSDP2Backend.push_weights``: every rank gathers, the ranks given a ``weight_sink`` send.

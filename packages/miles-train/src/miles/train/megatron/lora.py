@@ -176,9 +176,9 @@ class adapters_disabled:  # noqa: N801 - a context manager, named like one
             layer.enabled = True
 
 
-def merged_parameters(gpt: nn.Module) -> Iterator[tuple[str, Tensor, Tensor]]:
-    """(Megatron name as without LoRA, this rank's tensor, the parameter whose split it has) for every tensor of the
-    merged model: a wrapped layer's weight merged with its adapters, every other tensor as held."""
+def merged_parameters(gpt: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(Megatron name as without LoRA, this rank's tensor) for every tensor of the merged model, one at a time: a
+    wrapped layer's weight merged with its adapters (a new tensor), every other tensor as held."""
     layers = lora_layers(gpt)
     for name, param in gpt.named_parameters():
         module, _, leaf = name.rpartition(".")
@@ -186,7 +186,6 @@ def merged_parameters(gpt: nn.Module) -> Iterator[tuple[str, Tensor, Tensor]]:
             continue
         if module.endswith(".base_layer"):
             owner = module.removesuffix(".base_layer")
-            tensor = layers[owner].merged_weight() if leaf == "weight" else param
-            yield f"{owner}.{leaf}", tensor, param
+            yield f"{owner}.{leaf}", layers[owner].merged_weight() if leaf == "weight" else param
         else:
-            yield name, param, param
+            yield name, param
