@@ -85,3 +85,33 @@ def save_moe_model(family: str, path: Path, seed: int = 0, tokenizer=None) -> Pa
         tokenizer.save_pretrained(path)
     make_moe_model(family, seed, **overrides).save_pretrained(path)
     return path
+
+
+def engine_rollout(model_dir) -> list:
+    """8 samples (4 prompts x 2, up to 8 new tokens, temperature 1) of the embedded engine on ``model_dir``, with
+    the routing it recorded (``Sample.rollout_routed_experts``)."""
+    from miles.core.config import SamplingConfig
+    from miles.core.protocols import GenerateRequest
+    from miles.core.sample import Sample
+    from miles.rollout.engines.embedded import EmbeddedEngine
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (4 + i,), generator=gen).tolist() for i in range(4)]
+    engine = EmbeddedEngine(model_dir, stop_token_ids=[EOS], routed_experts=True)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    requests = [GenerateRequest(p, sampling, seed=10 * i + j) for i, p in enumerate(prompts) for j in range(2)]
+    outputs = engine.generate_batch(requests)
+    engine.close()
+    return [
+        Sample(
+            index=i,
+            group_index=i // 2,
+            prompt="",
+            tokens=r.prompt_tokens + o.response_tokens,
+            response_length=len(o.response_tokens),
+            rollout_log_probs=o.log_probs,
+            loss_mask=[1] * len(o.response_tokens),
+            rollout_routed_experts=o.routed_experts,
+        )
+        for i, (r, o) in enumerate(zip(requests, outputs))
+    ]

@@ -12,12 +12,9 @@ import pytest
 import torch
 from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.batch import build_train_batch
-from miles.core.config import AlgorithmConfig, SamplingConfig
-from miles.core.protocols import GenerateRequest
-from miles.core.sample import Sample
-from miles.rollout.engines.embedded import EmbeddedEngine
+from miles.core.config import AlgorithmConfig
 from miles.train import FSDP2Backend, TrainConfig
-from moe_models import EOS, VOCAB, save_moe_model
+from moe_models import VOCAB, engine_rollout, save_moe_model
 
 pytest.importorskip("megatron.core")
 
@@ -52,26 +49,7 @@ def perturbed_dir(moe_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def rollout(moe_dir):
     """8 samples (4 prompts x 2) of the embedded engine with their routing."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, VOCAB, (4 + i,), generator=gen).tolist() for i in range(4)]
-    engine = EmbeddedEngine(moe_dir, stop_token_ids=[EOS], routed_experts=True)
-    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
-    requests = [GenerateRequest(p, sampling, seed=10 * i + j) for i, p in enumerate(prompts) for j in range(2)]
-    outputs = engine.generate_batch(requests)
-    engine.close()
-    samples = [
-        Sample(
-            index=i,
-            group_index=i // 2,
-            prompt="",
-            tokens=r.prompt_tokens + o.response_tokens,
-            response_length=len(o.response_tokens),
-            rollout_log_probs=o.log_probs,
-            loss_mask=[1] * len(o.response_tokens),
-            rollout_routed_experts=o.routed_experts,
-        )
-        for i, (r, o) in enumerate(zip(requests, outputs))
-    ]
+    samples = engine_rollout(moe_dir)
     return build_train_batch(samples, torch.tensor([1.0, -1.0] * 4), pad_token_id=0)
 
 
