@@ -62,6 +62,7 @@ def test_lora_run_trains_adapters_the_engine_follows_and_resume_is_exact(tiny_sm
             ["--engine.type", "vllm", "--engine.delta-weights", "true"],
             "engine.delta_weights is on with train.lora.sync",
         ),
+        (["--engine.type", "vllm", "--train.lora.rank", "600"], "train.lora.rank is 600 with train.lora.sync adapter"),
     ],
 )
 def test_adapter_sync_where_it_cannot_hold_is_refused_in_one_line(tiny_smollm2_dir, engine, message):

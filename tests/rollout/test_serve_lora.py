@@ -53,8 +53,11 @@ class FakeServers:
         if path == "/load_lora_adapter":
             if host in self.refuse:
                 return httpx.Response(400, json={"success": False, "error_message": "LoRA rank 16 > max_lora_rank"})
+            if body["lora_name"] in held:  # as SGLang: a name is loaded once
+                return httpx.Response(400, json={"success": False, "error_message": "already loaded"})
             held.add(body["lora_name"])
-            return httpx.Response(200, json={"success": True, "loaded_adapters": {}})
+            loaded = {name: {"lora_name": name} for name in held}
+            return httpx.Response(200, json={"success": True, "loaded_adapters": loaded})
         if path == "/unload_lora_adapter":
             if body["lora_name"] not in held:
                 return httpx.Response(400, json={"success": False, "error_message": "not loaded"})
@@ -89,6 +92,21 @@ def test_each_version_loads_under_its_own_name_the_previous_stays_and_older_ones
     assert loads == [{"lora_name": adapter_name(v), "lora_path": str(tmp_path / f"v{v:06d}")} for v in (1, 2, 3)]
     assert servers.versions == {"w1": "3", "w2": "3"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000002", "v000003"]
+
+
+def test_a_restarted_trainer_loads_its_version_again_and_what_an_earlier_run_left_is_unloaded(tmp_path):
+    servers = FakeServers()
+    first = SGLangAdapterSink(["http://w1"], root=tmp_path, transport=httpx.MockTransport(servers))
+    for version in (1, 2):
+        first.push(_adapters(SMALL, 2, seed=version).items())
+    first.close()
+    servers.loaded["w1"].add("miles-adapter-v7")  # left by an earlier run against the same server
+    again = SGLangAdapterSink(["http://w1"], root=tmp_path, transport=httpx.MockTransport(servers))
+    assert again.push(_adapters(SMALL, 2, seed=2).items(), version=2) == 2  # from its checkpoint: v2 again
+    again.close()
+    assert servers.loaded["w1"] == {"miles-adapter-v1", "miles-adapter-v2"} and servers.versions["w1"] == "2"
+    # a closed sink pushes again, opening its connections anew (Ray's resync closes rank 0's sink between pushes)
+    assert again.push(_adapters(SMALL, 2, seed=3).items()) == 3
 
 
 def test_a_refused_adapter_fails_the_push_naming_the_server_and_is_unloaded_where_it_loaded(tmp_path):
@@ -185,20 +203,23 @@ def test_miles_serve_applies_loaded_adapters_like_the_embedded_engine_and_refuse
         answer = httpx.post(server.url + "/generate", json={**body, "lora_path": "miles-adapter-v1"}, timeout=30)
         assert answer.status_code == 400 and "'miles-adapter-v1' is not loaded" in answer.json()["message"]
 
-        bad = _adapters(
-            config, rank=8, seed=9
-        )  # another rank: the engine refuses it whole (a new sink lets it through)
+        bad = _adapters(config, rank=8, seed=9)  # another rank: refused whole (a new sink lets it through)
         with pytest.raises(WeightUpdateError, match=r"v4 \(LoRA adapter\) failed: .*another train.lora.rank"):
             _push(engine, SGLangAdapterSink([server.url], root=tmp_path / "other"), bad, version=4)
         assert engine.weight_version == 3 and _gap(reference, _generate(engine, 50)) < 1e-5  # still v3's adapter
 
-        for name in ("miles-adapter-v2", "miles-adapter-v3"):  # unloading the applied one leaves the base model
-            assert httpx.post(server.url + "/unload_lora_adapter", json={"lora_name": name}, timeout=30).json()[
-                "success"
-            ]
+        def unload(name):
+            answer = httpx.post(server.url + "/unload_lora_adapter", json={"lora_name": name}, timeout=30).json()
+            assert answer["success"], answer
+
+        unload("miles-adapter-v3")  # a rolled-back version: the newest that remains applies again
         with pytest.raises(RequestFailed, match="'miles-adapter-v3' is not loaded"):
             _generate(engine, 60)
+        engine.adapter_version = 2
+        reference.load_weights(_adapters(config, rank=4, seed=2).items())
+        assert _gap(reference, _generate(engine, 70)) < 1e-5
+        unload("miles-adapter-v2")  # none left: the base model
         engine.adapter_version = 0  # what a client of the base model sends: no lora_path
-        assert _gap(base, _generate(engine, 70)) < 1e-5
+        assert _gap(base, _generate(engine, 80)) < 1e-5
     finally:
         server.stop()

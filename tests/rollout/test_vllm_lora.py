@@ -147,6 +147,20 @@ def test_an_update_with_other_adapters_than_the_first_is_refused_before_anything
     assert engine.weight_version == 1 and [p.name for p in tmp_path.iterdir()] == ["v000001"]
 
 
+def test_a_version_refused_by_one_server_is_rolled_back_on_the_others_to_the_last_committed_one(tmp_path):
+    servers = FakeLoraServers()
+    engine = VLLMEngine(
+        ["http://s0", "http://s1"], model="base", adapter=ADAPTER_NAME, transport=httpx.MockTransport(servers)
+    )
+    sink = VLLMAdapterSink(engine, root=tmp_path, keep=2)
+    sink.push(_adapters(8, 4, 1, 2, seed=1).items())
+    servers.refuse.add("http://s1")
+    with pytest.raises(WeightUpdateError, match="LoRA adapter v2 was not loaded: vLLM at http://s1"):
+        sink.push(_adapters(8, 4, 1, 2, seed=2).items())
+    # s0 had loaded v2 in place (no undo in vLLM): it got v1 back
+    assert servers.loaded["http://s0"] == str(tmp_path / "v000001") and engine.weight_version == 1
+
+
 def test_a_server_that_refuses_an_adapter_fails_the_push_naming_it_and_the_version_stays(tmp_path):
     servers = FakeLoraServers(refuse={"http://s1"})
     engine = VLLMEngine(
@@ -216,14 +230,14 @@ def test_vllm_applies_pushed_adapters_as_the_embedded_engine_does_and_keeps_its_
     kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
     sink = VLLMAdapterSink(lora_vllm, root=tmp_path / "adapters")
     base_gap, _ = _gap(lora_vllm, reference, seed=1)
-    assert base_gap < 1e-3  # version 0: the base model
+    assert base_gap < 2e-4  # version 0: the base model
 
     first = _adapters(hidden, kv, layers, rank=4, seed=1)
     assert _push(lora_vllm, sink, first) == 1
     reference.load_weights(first.items())
     gap, outputs = _gap(lora_vllm, reference, seed=1)
     print(f"max |vLLM + adapter - embedded + adapter| log-prob: {gap:.2e}")
-    assert gap < 1e-3 and all(o.weight_versions == [1] for o in outputs)
+    assert gap < 2e-4 and all(o.weight_versions == [1] for o in outputs)  # 4.8e-5 here (AVX2)
     base = EmbeddedEngine(smollm2_dir, stop_token_ids=[2])
     shifted = base.score(PROMPTS, [o.response_tokens for o in outputs], temperature=1.0)
     assert (
@@ -237,7 +251,7 @@ def test_vllm_applies_pushed_adapters_as_the_embedded_engine_does_and_keeps_its_
     second = _adapters(hidden, kv, layers, rank=4, seed=2)  # replaces the first in place
     assert _push(lora_vllm, sink, second) == 2
     reference.load_weights(second.items())
-    assert _gap(lora_vllm, reference, seed=3)[0] < 1e-3
+    assert _gap(lora_vllm, reference, seed=3)[0] < 2e-4
 
     # rank 16 is above the server's --max-lora-rank 8: vLLM refuses it (a new sink: this one would refuse it first)
     too_large = _adapters(hidden, kv, layers, rank=16, seed=3)
@@ -246,4 +260,4 @@ def test_vllm_applies_pushed_adapters_as_the_embedded_engine_does_and_keeps_its_
     ):
         _push(lora_vllm, VLLMAdapterSink(lora_vllm, root=tmp_path / "other"), too_large)
     assert lora_vllm.weight_version == 2 and lora_vllm.server_versions() == ["2"]
-    assert _gap(lora_vllm, reference, seed=5)[0] < 1e-3  # still the second adapter
+    assert _gap(lora_vllm, reference, seed=5)[0] < 2e-4  # still the second adapter

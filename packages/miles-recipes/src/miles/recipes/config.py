@@ -138,6 +138,11 @@ class MilesConfig(BaseModel):
                     "sampled by the weights its version says. Set --loop.partial-rollout false, or --train.lora.sync "
                     "merged."
                 )
+            if self.engine.type == "vllm" and lora.rank > 512:
+                raise ValueError(
+                    f"train.lora.rank is {lora.rank} with train.lora.sync adapter on vLLM, which serves adapters of "
+                    "rank up to 512: set --train.lora.rank 512 or less, or --train.lora.sync merged"
+                )
             if self.engine.type != "embedded" and getattr(self.engine, "delta_weights", False):
                 raise ValueError(
                     "engine.delta_weights is on with train.lora.sync adapter: the servers load each adapter version "

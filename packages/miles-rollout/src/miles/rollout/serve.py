@@ -31,7 +31,8 @@ always "" (no tokenizer). Differences from SGLang, all deliberate:
   ``--enable-lora`` needed): the engine applies one adapter, the newest loaded, to every request. A request names
   a loaded adapter (an older one gets the newest: its ``weight_version`` says which weights sampled it) and, while
   one is loaded, must name one (SGLang would run the base model; miles serve cannot mix the two in a batch).
-  Unloading the newest sets its B to zero, so the model is the base again.
+  Unloading the applied one applies the newest that remains (so a client rolling back a version it just loaded
+  gets the one before), or, with none left, sets B to zero: the base model.
 
 Endpoints: ``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
 ``/get_load``, ``/generate``, ``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``,
@@ -86,7 +87,8 @@ class ServeState:
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     forward_sleep_s: float = 0.0  # /slow_down
     num_generate_requests: int = 0  # /generate requests answered 200 (in /get_server_info)
-    adapters: dict[str, str] = field(default_factory=dict)  # loaded LoRA adapters: name -> path
+    adapters: dict[str, str] = field(default_factory=dict)  # loaded LoRA adapters, oldest first: name -> path
+    adapter_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # name -> its update
     active_adapter: str | None = None  # the one the engine applies (the newest loaded)
 
     @property
@@ -557,14 +559,15 @@ async def load_lora_adapter(request: Request) -> Response:
         message = f"Failed to load LoRA adapter {name!r} from {path}: {err}"
         logger.warning(message)
         return _lora_result(state, False, message)
-    state.adapters[name], state.active_adapter = path, name
+    state.adapters[name], state.adapter_tensors[name], state.active_adapter = path, named, name
     logger.info("loaded LoRA adapter %s from %s (%d tensors)", name, path, len(named))
     return _lora_result(state, True)
 
 
 @router.post("/unload_lora_adapter")
 async def unload_lora_adapter(request: Request) -> Response:
-    """Forget adapter ``lora_name``; unloading the one the engine applies sets its B to zero (the base model)."""
+    """Forget adapter ``lora_name``; unloading the one the engine applies applies the newest that remains, or with
+    none left sets its B to zero (the base model)."""
     state = _state(request)
     try:
         name = (await _body(request)).get("lora_name")
@@ -573,10 +576,14 @@ async def unload_lora_adapter(request: Request) -> Response:
     except ValueError as err:
         return _lora_result(state, False, str(err))
     if name == state.active_adapter:
-        zeros = {n: torch.zeros_like(t) if ".lora_B." in n else t.clone() for n, t in _adapter_state(state.engine)}
-        await asyncio.to_thread(_load_adapter_paused, state.engine, zeros)
-        state.active_adapter = None
-    del state.adapters[name]
+        remaining = [n for n in state.adapters if n != name]
+        if remaining:
+            await asyncio.to_thread(_load_adapter_paused, state.engine, state.adapter_tensors[remaining[-1]])
+        else:
+            zeros = {n: torch.zeros_like(t) if ".lora_B." in n else t.clone() for n, t in _adapter_state(state.engine)}
+            await asyncio.to_thread(_load_adapter_paused, state.engine, zeros)
+        state.active_adapter = remaining[-1] if remaining else None
+    del state.adapters[name], state.adapter_tensors[name]
     logger.info("unloaded LoRA adapter %s", name)
     return _lora_result(state, True)
 

@@ -36,8 +36,9 @@ class LoraConfig(BaseModel):
         "merged",
         description="What weight pushes send. merged: W + scale * B A for targeted weights, the rest as loaded (any "
         "engine). adapter: only A and scale * B; the engine keeps its base weights and applies the adapters "
-        "(the embedded engine, or vLLM servers through their runtime LoRA loading; not SGLang yet): ~rank / hidden "
-        "of the bytes.",
+        "(the embedded engine; vLLM and SGLang-API servers load each version from a peft directory beside the run; "
+        "on Megatron a fused layer's adapter goes out as HF adapters per projection sharing A): ~rank / hidden of "
+        "the bytes.",
     )
 
 

@@ -1,4 +1,5 @@
-"""LoRA adapters inside the embedded engine: adapter-only weight updates (``train.lora.sync adapter``).
+"""LoRA adapter-only weight updates (``train.lora.sync adapter``): applied inside the embedded engine, and the peft
+directory format server engines load them from.
 
 The trainer sends only the adapters, under its injected names (``<module>.lora_A.default.weight`` [r, in] and
 ``<module>.lora_B.default.weight`` [out, r]) with the LoRA scaling (alpha / r, or alpha / sqrt(r) with rsLoRA)

@@ -636,8 +636,11 @@ def _set_weight_version(client: httpx.Client, urls: Sequence[str], version: int)
     _raise_first(_post_all(client, "/update_weight_version", dict.fromkeys(urls, body)), version)
 
 
-def _post_for_result(client: httpx.Client, url: str, path: str, body: dict[str, Any]) -> str | None:
-    """POST; None on success, else the one-line failure (SGLang answers ``{"success": false, "message"}``)."""
+def _post_for_result(
+    client: httpx.Client, url: str, path: str, body: dict[str, Any], keep: dict[str, Any] | None = None
+) -> str | None:
+    """POST; None on success, else the one-line failure (SGLang answers ``{"success": false, "message"}``).
+    ``keep``: the parsed JSON answer is stored there under ``url``."""
     try:
         response = client.post(url + path, json=body)
     except httpx.HTTPError as err:
@@ -646,6 +649,8 @@ def _post_for_result(client: httpx.Client, url: str, path: str, body: dict[str, 
         answer = response.json()
     except ValueError:
         answer = None
+    if keep is not None:
+        keep[url] = answer
     if isinstance(answer, dict) and answer.get("success") is False:  # LoRA endpoints name it error_message
         return f"{url}{path}: {answer.get('message') or answer.get('error_message')}"
     if response.status_code != 200:

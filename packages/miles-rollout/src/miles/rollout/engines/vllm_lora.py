@@ -67,7 +67,7 @@ class VLLMAdapterSink:
 
     Raises (push): ValueError for a version not newer than the engine's; WeightUpdateError (one line, naming the
     server) when the update holds no adapters, differs from the first in names or shapes, or a server refuses it
-    (the servers keep their previous adapter).
+    (the servers that loaded it load the previous version again).
     """
 
     def __init__(self, engine, *, root: str | Path, keep: int = 2, timeout_s: float = 600.0) -> None:
@@ -79,9 +79,11 @@ class VLLMAdapterSink:
         self.timeout_s = timeout_s
         self.last_push = None  # no PushStats: adapters are written to disk, not sent in buckets
         self._layout: dict[str, tuple[int, ...]] | None = None  # names and shapes of the first push
+        self._current: Path | None = None  # the last committed version's directory
 
     @property
     def version(self) -> int:
+        """The engine's weight version (the last committed push)."""
         return self.engine.weight_version
 
     def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int | None = None) -> int:
@@ -95,26 +97,43 @@ class VLLMAdapterSink:
         named = dict(named_tensors)  # adapters are small (~rank / hidden of the model)
         layout = adapter_layout(named, self._layout, version)
         path = write_adapter_dir(self.root, version, named.items())
-        body = {"lora_name": ADAPTER_NAME, "lora_path": str(path), "load_inplace": True}
         try:
-            engine._post_all("/v1/load_lora_adapter", json=body, timeout_s=self.timeout_s)
-        except RuntimeError as err:
+            self._load(path)
+            for url in engine.in_rotation():
+                held = _adapter_paths(engine, url, timeout_s=self.timeout_s)
+                if held.get(ADAPTER_NAME) != str(path):
+                    raise WeightUpdateError(
+                        f"vLLM at {url} lists adapter {ADAPTER_NAME!r} at {held.get(ADAPTER_NAME)!r} after loading "
+                        f"{path} (v{version})"
+                    )
+            engine.set_weight_version(version)
+        except (RuntimeError, WeightUpdateError) as err:
+            self._restore()
+            if isinstance(err, WeightUpdateError):
+                raise
             raise WeightUpdateError(f"LoRA adapter v{version} was not loaded: {' '.join(str(err).split())}") from None
-        for url in engine.in_rotation():
-            held = _adapter_paths(engine, url, timeout_s=self.timeout_s)
-            if held.get(ADAPTER_NAME) != str(path):
-                raise WeightUpdateError(
-                    f"vLLM at {url} lists adapter {ADAPTER_NAME!r} at {held.get(ADAPTER_NAME)!r} after loading "
-                    f"{path} (v{version})"
-                )
-        engine.set_weight_version(version)
-        self._layout = layout
+        self._layout, self._current = layout, path
         self._prune()
         logger.debug(
             "loaded LoRA adapter v%d into %d vLLM servers from %s in %.2fs", version, len(engine.in_rotation()),
             path, time.perf_counter() - start,
         )  # fmt: skip
         return version
+
+    def _load(self, path: Path) -> None:
+        """Every server in rotation loads ``path`` in place. Raises: RuntimeError naming the first that failed."""
+        body = {"lora_name": ADAPTER_NAME, "lora_path": str(path), "load_inplace": True}
+        self.engine._post_all("/v1/load_lora_adapter", json=body, timeout_s=self.timeout_s)
+
+    def _restore(self) -> None:
+        """After a failed push, load the last committed version again where the failed one may have landed
+        (``load_inplace`` has no undo); before any, the servers' adapter is unused (version 0 requests the base)."""
+        if self._current is None:
+            return
+        try:
+            self._load(self._current)
+        except RuntimeError as err:
+            logger.warning("could not restore LoRA adapter %s after a failed push: %s", self._current, err)
 
     def _prune(self) -> None:
         versions = sorted(p for p in self.root.glob("v[0-9]*") if p.is_dir())

@@ -324,7 +324,10 @@ class MegatronBackend:
         self.weight_sink = weight_sink
         self.hf_config = AutoConfig.from_pretrained(model_path)
         if lora is not None and convert.is_moe(self.hf_config):
-            raise ValueError("train.backend megatron does not support train.lora on MoE models yet; use fsdp2")
+            raise ValueError(
+                "train.backend megatron does not support train.lora on MoE models yet; use --train.backend fsdp2 "
+                "or --train.lora off"
+            )
         self.gpt = self._build(model_path)
         self.lora_layers: dict[str, megatron_lora.LoraParallelLinear] = {}
         if lora is not None:
@@ -624,9 +627,9 @@ class MegatronBackend:
             stream = self._merged_hf()
         else:
             stream = convert.megatron_to_hf(self._gathered(self.gpt.named_parameters()), self.hf_config)
-        if self.tensor_parallel == 1:
-            return list(stream)  # views of the live parameters: a sender may resend it
-        return stream
+        if self.tensor_parallel == 1 and not (self.lora_layers and self.train_cfg.lora.sync == "merged"):
+            return list(stream)  # views of the live parameters (or small adapters): a sender may resend it
+        return stream  # merged LoRA weights are new tensors: one at a time, never the whole model at once
 
     def _merged_hf(self) -> Iterator[tuple[str, Tensor]]:
         """LoRA's merged weights under HF names: W + scaling * B A merged on each rank's shard, then gathered and
@@ -739,14 +742,15 @@ class MegatronBackend:
         checkpoint without them or written with other LoRA settings."""
         from safetensors.torch import load_file
 
-        if not (path / ADAPTER_FILE).is_file():
+        if not (path / ADAPTER_FILE).is_file() or not (path / "lora.json").is_file():
             raise ValueError(
                 f"{path.parent} has no adapter/ but this run trains LoRA adapters (train.lora); resume from a "
                 "checkpoint of a LoRA run, or turn train.lora off"
             )
         saved = json.loads((path / "lora.json").read_text())
         for key in LORA_SETTINGS:
-            if saved.get(key) != getattr(self.train_cfg.lora, key):
+            same = sorted if key == "target_modules" else (lambda value: value)
+            if same(saved.get(key) or []) != same(getattr(self.train_cfg.lora, key) or []):
                 raise ValueError(
                     f"{path.parent} was written with train.lora.{key} {saved.get(key)!r}, this run has "
                     f"{getattr(self.train_cfg.lora, key)!r}; resume with the checkpoint's value"

@@ -92,6 +92,8 @@ class LoraParallelLinear(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x: Tensor, *args, **kwargs):
+        """The base layer's ``(output, bias)`` for ``x`` [seq(/tp under sequence parallelism), batch, in_local],
+        its output plus ``scaling * B (A x)`` while ``enabled``."""
         from megatron.core.tensor_parallel import mappings
 
         output, bias = self.base_layer(x, *args, **kwargs)
