@@ -703,7 +703,8 @@ class SGLangDiskWeightSink:
         self.writer = DiskWeightWriter(root, shard_bytes=shard_bytes, keep=keep, config_from=config_from)
         self.server_root = server_root if server_root is not None else str(self.writer.root)
         self.version = 0
-        self._client = httpx.Client(timeout=timeout_s, transport=engine._transport)  # type: ignore[arg-type]
+        self._new_client = lambda: httpx.Client(timeout=timeout_s, transport=engine._transport)  # type: ignore[arg-type]
+        self._client = self._new_client()
 
     def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int | None = None) -> int:
         """Write one complete update to disk and return its version once every server loaded it and reports it.
@@ -719,6 +720,8 @@ class SGLangDiskWeightSink:
             version = self.version + 1
         elif version <= self.version:
             raise ValueError(f"push version {version} is not newer than this sink's v{self.version}")
+        if self._client.is_closed:  # closed between pushes (Ray's resync closes rank 0's sink): open again
+            self._client = self._new_client()
         start = time.perf_counter()
         path = self.writer.write(named_tensors, version=version)
         body = {
@@ -741,7 +744,7 @@ class SGLangDiskWeightSink:
         return version
 
     def close(self) -> None:
-        """Close the HTTP connections (the versions on disk stay)."""
+        """Close the HTTP connections (the versions on disk stay); a later ``push`` opens them again."""
         self._client.close()
 
     def _weight_version(self, url: str) -> str | None:
