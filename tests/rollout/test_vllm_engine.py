@@ -191,15 +191,15 @@ def test_a_vllm_sink_factory_for_one_server_keeps_the_settings_and_refuses_anoth
 
 
 def test_the_weight_sinks_blocking_posts_reach_every_server_from_inside_an_event_loop_too():
-    """``_post_all`` (the weight sinks' calls) is ``_apost_all`` run to completion: every server, responses in URL
+    """``post_all`` (the weight sinks' calls) is ``_apost_all`` run to completion: every server, responses in URL
     order, the engine's transport, a failing server named; also when called from a running loop (a thread)."""
     servers = FakeVLLMServers()
     engine = VLLMEngine(["http://s0", "http://s1"], model="m", transport=httpx.MockTransport(servers))
-    responses = engine._post_all("/start_weight_update", json={"a": 1}, timeout_s=5)
+    responses = engine.post_all("/start_weight_update", json={"a": 1}, timeout_s=5)
     assert [str(r.request.url) for r in responses] == ["http://s0/start_weight_update", "http://s1/start_weight_update"]
 
     async def inside_a_loop():
-        return engine._post_all("/finish_weight_update")
+        return engine.post_all("/finish_weight_update")
 
     assert len(asyncio.run(inside_a_loop())) == 2 and sorted(servers.hosts("/finish_weight_update")) == [
         "http://s0",
@@ -209,7 +209,7 @@ def test_the_weight_sinks_blocking_posts_reach_every_server_from_inside_an_event
         ["http://s0", "http://s1"], model="m", transport=httpx.MockTransport(FakeVLLMServers({"http://s0"}))
     )
     with pytest.raises(RuntimeError, match=r"^vLLM at http://s0: POST /update_weights failed"):
-        down._post_all("/update_weights")
+        down.post_all("/update_weights")
 
 
 def test_completion_parsing_keeps_ids_and_log_probs_and_fails_only_bad_responses():

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from miles.sync.layouts import fused_to_hf, hf_to_fused
+from miles.sync.layouts import from_peft_name, fused_to_hf, hf_to_fused, to_peft_name
 
 HIDDEN, Q, KV, INTER, EXPERTS = 8, 8, 4, 6, 2
 
@@ -56,3 +56,29 @@ def test_an_incomplete_group_is_reported_with_what_arrived():
     partial = [(n, t) for n, t in _hf_layer().items() if "v_proj.weight" not in n]
     with pytest.raises(ValueError, match=r"self_attn.qkv_proj.weight has only \['k_proj', 'q_proj'\]"):
         list(hf_to_fused(partial, num_experts=EXPERTS))
+
+
+@pytest.mark.parametrize(
+    "model_name, peft_name",
+    [
+        pytest.param(
+            "model.layers.0.self_attn.q_proj.lora_A.default.weight",
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+            id="lora_A",
+        ),
+        pytest.param(
+            "model.layers.1.mlp.down_proj.lora_B.default.weight",
+            "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight",
+            id="lora_B",
+        ),
+    ],
+)
+def test_peft_names_map_both_ways(model_name, peft_name):
+    assert to_peft_name(model_name) == peft_name
+    assert from_peft_name(peft_name) == model_name
+    assert from_peft_name(peft_name.removeprefix("base_model.model.")) == model_name  # the prefix is optional
+
+
+def test_from_peft_name_refuses_a_name_without_a_lora_part():
+    with pytest.raises(ValueError, match="is no LoRA adapter name"):
+        from_peft_name("base_model.model.model.layers.0.mlp.up_proj.weight")

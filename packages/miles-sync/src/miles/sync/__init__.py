@@ -23,6 +23,7 @@ from miles.sync.transports.distributed import DistributedEndpoint, DistributedTr
 from miles.sync.transports.inprocess import InProcessTransport
 from miles.sync.transports.p2p import P2PEndpoint, P2PEngine, P2PTransport, RemoteBuffer
 from miles.sync.transports.shared_memory import SharedMemoryEndpoint, SharedMemoryTransport
+from miles.sync.versions import next_version, prune_versions
 
 __all__ = [
     "CODECS",
@@ -54,6 +55,8 @@ __all__ = [
     "WeightUpdateError",
     "get_codec",
     "list_versions",
+    "next_version",
+    "prune_versions",
     "read_hf_weights",
     "read_manifest",
     "read_weights",

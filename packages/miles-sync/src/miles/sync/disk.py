@@ -35,7 +35,6 @@ import functools
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import uuid
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import torch
 from miles.sync.errors import WeightUpdateError
+from miles.sync.versions import find_versions, prune_versions, version_dir
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,6 @@ FORMAT_VERSION = 1
 HF_INDEX = "model.safetensors.index.json"
 CONFIG_FILES = ("config.json", "generation_config.json")
 """Copied from ``config_from``: what a loader needs beside the weights (the tokenizer does not change)."""
-VERSION_DIR = re.compile(r"^v(\d{6,})$")
 HASH_CHUNK_BYTES = 16 * 2**20
 
 
@@ -71,19 +70,10 @@ def _libs():
     return safetensors.torch, xxhash
 
 
-def version_dir(root: str | Path, version: int) -> Path:
-    """``<root>/v{version:06d}``, where ``DiskWeightWriter`` publishes ``version``."""
-    return Path(root) / f"v{version:06d}"
-
-
 def list_versions(root: str | Path) -> list[int]:
     """The published versions under ``root`` (directories ``v000001`` ... holding a manifest), ascending; [] when
     ``root`` does not exist."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = (VERSION_DIR.match(entry.name) for entry in root.iterdir())
-    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / MANIFEST).is_file())
+    return find_versions(root, marker=MANIFEST)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +273,7 @@ class DiskWeightWriter:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._prune(version)
+        prune_versions(self.root, keep=self.keep, current=version, marker=MANIFEST)
         nbytes = sum(s.nbytes for s in manifest.shards)
         logger.debug(  # per step
             "wrote weights v%d to %s in %.2fs (%d tensors, %d shards, %.1f MiB)",
@@ -346,16 +336,6 @@ class DiskWeightWriter:
         _fsync(self.root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-
-    def _prune(self, version: int) -> None:
-        versions = list_versions(self.root)
-        newer = [v for v in versions if v > version]
-        older = [v for v in versions if v < version]
-        if newer:
-            logger.warning("removing versions %s under %s: newer than v%d just written (an earlier run's)",
-                           newer, self.root, version)  # fmt: skip
-        for v in newer + older[: max(len(older) - (self.keep - 1), 0)]:
-            shutil.rmtree(version_dir(self.root, v), ignore_errors=True)
 
 
 def read_weights(path: str | Path) -> dict[str, Tensor]:

@@ -45,6 +45,7 @@ from miles.sync.delta import NEEDS_FULL_UPDATE
 from miles.sync.errors import WeightUpdateError
 from miles.sync.sender import DEFAULT_CODEC_EXCLUDE, encode_tensors
 from miles.sync.transports import Transport
+from miles.sync.versions import next_version
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -296,10 +297,7 @@ class MultiEngineSender:
         """
         if not self._engines:
             raise ValueError("MultiEngineSender has no engines; add_engine(name, transport) first")
-        if version is None:
-            version = self.version + 1
-        elif version <= self.version:
-            raise ValueError(f"push version {version} is not newer than this sender's v{self.version}")
+        version = next_version(version, self.version, holder="this sender")
         start = time.perf_counter()
         engines = list(self._engines.values())
         stats = FanOutPushStats(

@@ -9,6 +9,10 @@ HF names keep one tensor per projection; engines fuse them:
 the model's ``load_weights``; these helpers serve an ``apply_fn`` that copies straight into fused parameters, and a
 sender that wants one transfer per fused tensor. Both directions stream: a group is emitted once its last member
 arrived, and other tensors pass through unchanged.
+
+LoRA adapters have two names each: a model with injected adapters holds ``{m}.lora_A.default.weight`` (``default``
+is peft's adapter name), and peft's saved files (``PeftModel.save_pretrained``, what vLLM and SGLang load) say
+``base_model.model.{m}.lora_A.weight``; ``to_peft_name`` and ``from_peft_name`` map between them.
 """
 
 import re
@@ -22,6 +26,8 @@ _DENSE = re.compile(r"^(?P<prefix>.*)\.(?P<proj>q_proj|k_proj|v_proj|gate_proj|u
 _FUSED = {"q_proj": ("qkv_proj", 3), "k_proj": ("qkv_proj", 3), "v_proj": ("qkv_proj", 3),
           "gate_proj": ("gate_up_proj", 2), "up_proj": ("gate_up_proj", 2)}  # fmt: skip
 _ORDER = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+PEFT_ADAPTER = "default"  # peft's adapter name in an injected model's parameter names
+PEFT_PREFIX = "base_model.model."  # peft's saved names: base_model.model.<module>.lora_A.weight
 
 
 def hf_to_fused(named_tensors: Iterable[tuple[str, Tensor]], *, num_experts: int = 0) -> Iterator[tuple[str, Tensor]]:
@@ -91,3 +97,22 @@ def fused_to_hf(
             yield from ((f"{prefix}.{e}.down_proj.weight", down) for e, down in enumerate(tensor))
         else:
             yield name, tensor
+
+
+def to_peft_name(name: str) -> str:
+    """An injected model's adapter name as peft saves it: ``{m}.lora_A.default.weight`` ->
+    ``base_model.model.{m}.lora_A.weight`` (so ``PeftModel.from_pretrained`` and the engines load it)."""
+    return PEFT_PREFIX + name.replace(f".{PEFT_ADAPTER}.", ".")
+
+
+def from_peft_name(name: str) -> str:
+    """``to_peft_name``'s inverse: ``base_model.model.{m}.lora_A.weight`` -> ``{m}.lora_A.default.weight`` (a name
+    without the ``base_model.model.`` prefix is taken as well).
+
+    Raises: ValueError for a name with no ``.lora_`` part (no LoRA tensor).
+    """
+    module, dot, rest = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+    if not dot:
+        raise ValueError(f"{name!r} is no LoRA adapter name (<module>.lora_A.weight or <module>.lora_B.weight)")
+    kind, _, param = rest.partition(".")
+    return f"{module}.lora_{kind}.{PEFT_ADAPTER}.{param}"

@@ -14,6 +14,7 @@ from miles.sync.codecs import Codec, get_codec, is_codec_eligible
 from miles.sync.delta import NEEDS_FULL_UPDATE
 from miles.sync.errors import WeightUpdateError
 from miles.sync.transports import Transport
+from miles.sync.versions import next_version
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -219,10 +220,7 @@ class WeightSender:
             TimeoutError: if a remote receiver did not answer within the transport's timeout.
             ValueError: if ``version`` is not greater than ``self.version``.
         """
-        if version is None:
-            version = self.version + 1
-        elif version <= self.version:
-            raise ValueError(f"push version {version} is not newer than this sender's v{self.version}")
+        version = next_version(version, self.version, holder="this sender")
         attempts = self.retries + 1
         if attempts > 1 and iter(named_tensors) is named_tensors:
             logger.warning("retries=%d ignored: named_tensors is a one-shot iterator; pass a list", self.retries)

@@ -120,7 +120,8 @@ class TrainConfig(BaseModel):
         "fsdp2",
         description="fsdp2: the HF model sharded with FSDP2 (every feature). megatron: the model converted into a "
         "Megatron-core GPTModel (Llama/Mistral/Qwen2/Qwen3 dense decoders, Qwen3-MoE with routing replay; tensor "
-        "parallelism from train.megatron; fp32; no LoRA or critic yet); needs the miles-train[megatron] extra.",
+        "parallelism from train.megatron; fp32; LoRA on dense models, without dropout; no critic yet); needs the "
+        "miles-train[megatron] extra.",
     )
     megatron: MegatronConfig = Field(
         default_factory=MegatronConfig, description="Parallel layout of train.backend megatron."

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 from miles.sync import WeightUpdateError
+from miles.sync.layouts import PEFT_ADAPTER as ADAPTER
+from miles.sync.layouts import PEFT_PREFIX, from_peft_name, to_peft_name
+from miles.sync.versions import version_dir
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-ADAPTER = "default"  # peft's adapter name, as in the trainer's names
 _BASE = ".base_layer."
-PEFT_PREFIX = "base_model.model."  # peft's saved names: base_model.model.<module>.lora_A.weight
 
 
 def is_adapter_name(name: str) -> bool:
@@ -132,7 +133,7 @@ def write_adapter_dir(root: Path, version: int, named: Iterable[tuple[str, Tenso
         targets.add(module.rsplit(".", 1)[-1])
         if ".lora_A." in name:
             ranks.add(tensor.shape[0])
-        tensors[PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")] = tensor.detach().float().cpu().contiguous()
+        tensors[to_peft_name(name)] = tensor.detach().float().cpu().contiguous()
     if not tensors or len(ranks) != 1:
         raise WeightUpdateError(f"a LoRA adapter update needs lora_A tensors of one rank, got ranks {sorted(ranks)}")
     (rank,) = ranks
@@ -147,8 +148,8 @@ def write_adapter_dir(root: Path, version: int, named: Iterable[tuple[str, Tenso
         "bias": "none",
     }
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"v{version:06d}"
-    partial = root / f".v{version:06d}.partial"
+    final = version_dir(root, version)
+    partial = root / f".{final.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     save_file(tensors, partial / "adapter_model.safetensors")
@@ -196,9 +197,9 @@ def read_adapter_dir(path: str | Path) -> dict[str, Tensor]:
     scaling = alpha / rank**0.5 if config.get("use_rslora") else alpha / rank
     named = {}
     for name, tensor in saved.items():
-        module, dot, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        _, dot, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         if not dot or kind not in ("A.weight", "B.weight"):
             raise ValueError(f"the adapter at {path} holds {name!r}, which is no LoRA A / B weight")
         tensor = tensor.float()
-        named[f"{module}.lora_{kind[0]}.{ADAPTER}.weight"] = tensor * scaling if kind[0] == "B" else tensor
+        named[from_peft_name(name)] = tensor * scaling if kind[0] == "B" else tensor
     return named

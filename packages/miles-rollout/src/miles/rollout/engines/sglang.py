@@ -37,7 +37,7 @@ import httpx
 from miles.core.protocols import GenerateOutput, GenerateRequest, PauseMode, RequestFailed
 from miles.core.publisher import run_sync
 from miles.rollout.engines.sglang_api import generate_payload, parse_generate_response, parse_weight_version
-from miles.sync import WeightUpdateError
+from miles.sync import WeightUpdateError, next_version
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -469,10 +469,7 @@ class SGLangWeightSink:
         Raises: ValueError for an old version or no tensors; WeightUpdateError (one line: the server URL and its
             message) if a server failed or timed out.
         """
-        if version is None:
-            version = self.version + 1
-        elif version <= self.version:
-            raise ValueError(f"push version {version} is not newer than this sink's v{self.version}")
+        version = next_version(version, self.version, holder="this sink")
         tensors = iter(named_tensors)
         first = next(tensors, None)
         if first is None:
@@ -716,10 +713,7 @@ class SGLangDiskWeightSink:
             WeightUpdateError (one line: the server URL and its message) if a server failed, timed out or reports
             another version afterwards.
         """
-        if version is None:
-            version = self.version + 1
-        elif version <= self.version:
-            raise ValueError(f"push version {version} is not newer than this sink's v{self.version}")
+        version = next_version(version, self.version, holder="this sink")
         if self._client.is_closed:  # closed between pushes (Ray's resync closes rank 0's sink): open again
             self._client = self._new_client()
         start = time.perf_counter()
@@ -857,10 +851,7 @@ class SGLangTensorWeightSink:
         Raises: ValueError for an old version, no tensors, or a tensor not on CUDA; WeightUpdateError (one line: the
             server URL and its message) if a server failed or timed out.
         """
-        if version is None:
-            version = self.version + 1
-        elif version <= self.version:
-            raise ValueError(f"push version {version} is not newer than this sink's v{self.version}")
+        version = next_version(version, self.version, holder="this sink")
         start = time.perf_counter()
         num_buckets, nbytes = 0, 0
         for bucket in _buckets(named_tensors, self.bucket_bytes):

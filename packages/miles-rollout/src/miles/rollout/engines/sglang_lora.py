@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Iterable
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import httpx
 from miles.rollout.engines.adapters import adapter_layout, write_adapter_dir
-from miles.sync import WeightUpdateError
+from miles.sync import WeightUpdateError, next_version, prune_versions
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -110,10 +109,7 @@ class SGLangAdapterSink:
         """Write one adapter update and return its version once every server loaded it and reports it."""
         from miles.rollout.engines.sglang import _raise_first, _set_weight_version
 
-        if version is None:
-            version = self.version + 1
-        elif version <= self.version:
-            raise ValueError(f"push version {version} is not newer than this sink's v{self.version}")
+        version = next_version(version, self.version, holder="this sink")
         start = time.perf_counter()
         named = dict(named_tensors)  # adapters are small (~rank / hidden of the model)
         layout = adapter_layout(named, self._layout, version)
@@ -130,8 +126,7 @@ class SGLangAdapterSink:
         stale = sorted(v for v in listed if v not in (version, version - 1))
         if stale:
             self._unload(stale, wait=False)
-        for old in sorted(p for p in self.root.glob("v[0-9]*") if p.is_dir())[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_versions(self.root, keep=self.keep)
         logger.debug(
             "loaded LoRA adapter v%d into %d servers from %s in %.2fs", version, len(self.urls), path,
             time.perf_counter() - start,

@@ -206,7 +206,7 @@ class VLLMEngine:
         supervised: an ``EngineSupervisor`` watches the servers and re-adds the ones it brought back (see above);
             False: every server stays in rotation (a dead one fails over each request sent to it).
         transport: the httpx transport of the generate and control calls (tests: ``httpx.MockTransport``); None =
-            the network.
+            the network. Kept as ``self.transport``: the weight sinks open their own clients with it.
         adapter: the name of the LoRA adapter the servers apply (``train.lora.sync adapter``:
             ``miles.rollout.engines.vllm_lora.ADAPTER_NAME``): requests name it as their model from weight version 1
             on (every update of such a run is an adapter update), the base model before. None: the base model.
@@ -239,7 +239,7 @@ class VLLMEngine:
         self.servers = list(servers)
         self.version_from_servers = version_from_servers
         self.supervised = supervised
-        self._transport = transport
+        self.transport = transport
         self.adapter = adapter
         self._next_url = itertools.cycle(self.urls)
         self._out: set[str] = set()  # servers out of rotation (supervised: until the supervisor re-adds them)
@@ -263,7 +263,7 @@ class VLLMEngine:
         if client is None or client.is_closed:
             limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
             client = self._clients[loop] = httpx.AsyncClient(
-                timeout=self.request_timeout_s, limits=limits, transport=self._transport
+                timeout=self.request_timeout_s, limits=limits, transport=self.transport
             )
         return client
 
@@ -322,7 +322,7 @@ class VLLMEngine:
         url = self._known(url)
 
         async def resume() -> httpx.Response:
-            async with httpx.AsyncClient(timeout=30.0, transport=self._transport) as client:
+            async with httpx.AsyncClient(timeout=30.0, transport=self.transport) as client:
                 return await client.post(url + "/resume")
 
         response = run_sync(resume())
@@ -399,8 +399,17 @@ class VLLMEngine:
             output.weight_version = version
         return output
 
-    def _post_all(self, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[httpx.Response]:
-        """``_apost_all`` for synchronous callers (the weight sinks)."""
+    def post_all(self, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[httpx.Response]:
+        """POST ``path`` to every server in rotation at once, for synchronous callers (the weight sinks); safe to
+        call from a thread that runs an event loop.
+
+        Args:
+            path: the endpoint, e.g. ``/collective_rpc``.
+            timeout_s: how long each server may take; None = ``request_timeout_s``.
+            kwargs: passed to ``httpx.AsyncClient.post`` (``json=``, ``params=``).
+        Returns: the responses in ``urls`` order (servers in rotation only).
+        Raises: RuntimeError naming the first server that failed or answered an error.
+        """
         return run_sync(self._apost_all(path, timeout_s=timeout_s, **kwargs))
 
     async def _apost_all(self, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[httpx.Response]:
@@ -409,7 +418,7 @@ class VLLMEngine:
         defaults to ``request_timeout_s``.
         Raises: RuntimeError naming the first server that failed or answered an error."""
         urls = self.in_rotation()
-        async with httpx.AsyncClient(timeout=timeout_s or self.request_timeout_s, transport=self._transport) as client:
+        async with httpx.AsyncClient(timeout=timeout_s or self.request_timeout_s, transport=self.transport) as client:
 
             async def post(url: str) -> httpx.Response | str:
                 try:
@@ -448,7 +457,7 @@ class VLLMEngine:
 
     async def health(self) -> bool:
         """True when every server in rotation answers ``/health`` with 200 (within 10 s)."""
-        async with httpx.AsyncClient(timeout=10, transport=self._transport) as client:
+        async with httpx.AsyncClient(timeout=10, transport=self.transport) as client:
 
             async def ok(url: str) -> bool:
                 try:
@@ -460,7 +469,7 @@ class VLLMEngine:
 
     def set_weight_version(self, version: int) -> None:
         """Record ``version`` on every server (``/update_weight_version``) without changing weights."""
-        self._post_all("/update_weight_version", json={"new_version": str(version)})
+        self.post_all("/update_weight_version", json={"new_version": str(version)})
         self._version = version
 
     def server_versions(self) -> list[str]:
@@ -747,16 +756,14 @@ class VLLMWeightSink:
         version = self.engine.weight_version + 1 if version is None else version
         engine = self.engine
         try:
-            engine._post_all("/start_weight_update")
+            engine.post_all("/start_weight_update")
         except RuntimeError as err:
             raise WeightUpdateError(str(err)) from None
         errors: list[str] = []
 
         def update() -> None:
             try:
-                engine._post_all(
-                    "/update_weights", json={"update_info": {"version": version}}, timeout_s=self.timeout_s
-                )
+                engine.post_all("/update_weights", json={"update_info": {"version": version}}, timeout_s=self.timeout_s)
             except RuntimeError as err:
                 errors.append(str(err))
 
@@ -769,7 +776,7 @@ class VLLMWeightSink:
         if errors:
             raise WeightUpdateError("; ".join(errors))
         try:
-            engine._post_all("/finish_weight_update", json={"weight_version": str(version)})
+            engine.post_all("/finish_weight_update", json={"weight_version": str(version)})
         except RuntimeError as err:
             raise WeightUpdateError(str(err)) from None
         engine._version = version

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from miles.rollout.engines.vllm import StreamingDigests, VLLMEngine, verify_servers
-from miles.sync import WeightUpdateError
+from miles.sync import WeightUpdateError, next_version
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -89,10 +89,7 @@ class VLLMDiskWeightSink:
             version: the update's version (> the engine's); default the engine's + 1.
         """
         engine = self.engine
-        if version is None:
-            version = engine.weight_version + 1
-        elif version <= engine.weight_version:
-            raise ValueError(f"push version {version} is not newer than the engine's v{engine.weight_version}")
+        version = next_version(version, engine.weight_version, holder="the engine")
         start = time.perf_counter()
         digests = StreamingDigests(self.dtype)
         named = digests.watch(named_tensors) if self.verify else named_tensors  # streamed, never listed
@@ -102,7 +99,7 @@ class VLLMDiskWeightSink:
             "kwargs": {"weights_path": f"{self.server_root.rstrip('/')}/{path.name}"},
         }
         try:
-            engine._post_all("/collective_rpc", json=body, timeout_s=self.timeout_s)
+            engine.post_all("/collective_rpc", json=body, timeout_s=self.timeout_s)
         except RuntimeError as err:
             raise WeightUpdateError(
                 f"weight update v{version} from disk failed: {' '.join(str(err).split())}"

@@ -22,14 +22,13 @@ SmolLM2-135M: the served log-probs with an adapter equal HF + peft's within 2.2e
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
 from miles.rollout.engines.adapters import adapter_layout, write_adapter_dir
-from miles.sync import WeightUpdateError
+from miles.sync import WeightUpdateError, next_version, prune_versions
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -89,10 +88,7 @@ class VLLMAdapterSink:
     def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, version: int | None = None) -> int:
         """Write one adapter update and return its version once every server in rotation loaded it."""
         engine = self.engine
-        if version is None:
-            version = engine.weight_version + 1
-        elif version <= engine.weight_version:
-            raise ValueError(f"push version {version} is not newer than the engine's v{engine.weight_version}")
+        version = next_version(version, engine.weight_version, holder="the engine")
         start = time.perf_counter()
         named = dict(named_tensors)  # adapters are small (~rank / hidden of the model)
         layout = adapter_layout(named, self._layout, version)
@@ -113,7 +109,7 @@ class VLLMAdapterSink:
                 raise
             raise WeightUpdateError(f"LoRA adapter v{version} was not loaded: {' '.join(str(err).split())}") from None
         self._layout, self._current = layout, path
-        self._prune()
+        prune_versions(self.root, keep=self.keep)
         logger.debug(
             "loaded LoRA adapter v%d into %d vLLM servers from %s in %.2fs", version, len(engine.in_rotation()),
             path, time.perf_counter() - start,
@@ -123,7 +119,7 @@ class VLLMAdapterSink:
     def _load(self, path: Path) -> None:
         """Every server in rotation loads ``path`` in place. Raises: RuntimeError naming the first that failed."""
         body = {"lora_name": ADAPTER_NAME, "lora_path": str(path), "load_inplace": True}
-        self.engine._post_all("/v1/load_lora_adapter", json=body, timeout_s=self.timeout_s)
+        self.engine.post_all("/v1/load_lora_adapter", json=body, timeout_s=self.timeout_s)
 
     def _restore(self) -> None:
         """After a failed push, load the last committed version again where the failed one may have landed
@@ -135,11 +131,6 @@ class VLLMAdapterSink:
         except RuntimeError as err:
             logger.warning("could not restore LoRA adapter %s after a failed push: %s", self._current, err)
 
-    def _prune(self) -> None:
-        versions = sorted(p for p in self.root.glob("v[0-9]*") if p.is_dir())
-        for old in versions[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-
     def close(self) -> None:
         """Nothing to leave: every push is a file handoff (the versions on disk stay)."""
 
@@ -147,7 +138,7 @@ class VLLMAdapterSink:
 def _adapter_paths(engine, url: str, *, timeout_s: float) -> dict[str, str]:
     """The adapters a server lists in ``/v1/models`` (``id`` -> ``root``: the path it was loaded from)."""
     try:
-        with httpx.Client(timeout=timeout_s, transport=engine._transport) as client:
+        with httpx.Client(timeout=timeout_s, transport=engine.transport) as client:
             response = client.get(url + "/v1/models")
             response.raise_for_status()
     except httpx.HTTPError as err:

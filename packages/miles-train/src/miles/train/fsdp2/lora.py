@@ -17,10 +17,11 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
+from miles.sync.layouts import PEFT_ADAPTER as ADAPTER
+from miles.sync.layouts import from_peft_name, to_peft_name
 from miles.train.config import LoraConfig
 from torch import Tensor, nn
 
-ADAPTER = "default"  # peft's adapter name
 _BASE = ".base_layer."
 
 
@@ -197,23 +198,12 @@ def merge_state(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]
 def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """The adapter tensors of a full state dict under peft's saved names (``PeftModel.save_pretrained``:
     ``base_model.model.<module>.lora_A.weight``), so ``PeftModel.from_pretrained(base, dir)`` loads them."""
-    return {
-        "base_model.model." + name.replace(f".{ADAPTER}.", "."): tensor
-        for name, tensor in state.items()
-        if ".lora_" in name
-    }
+    return {to_peft_name(name): tensor for name, tensor in state.items() if ".lora_" in name}
 
 
 def adapter_state_to_model(saved: dict[str, Tensor]) -> dict[str, Tensor]:
     """``adapter_state``'s names back to the injected model's (``<module>.lora_A.default.weight``)."""
-    prefix = "base_model.model."
-    out = {}
-    for name, tensor in saved.items():
-        module_name = name[len(prefix) :] if name.startswith(prefix) else name
-        head, kind, rest = module_name.partition(".lora_")
-        kind_name, _, param = rest.partition(".")
-        out[f"{head}.lora_{kind_name}.{ADAPTER}.{param}"] = tensor
-    return out
+    return {from_peft_name(name): tensor for name, tensor in saved.items()}
 
 
 def load_adapters(model: nn.Module, optimizer: torch.optim.Optimizer, path, optim_state: dict, cfg: LoraConfig) -> None:
