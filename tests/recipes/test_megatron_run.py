@@ -91,7 +91,7 @@ def test_what_megatron_does_not_hold_yet_is_refused_before_any_model_loads(tiny_
 @pytest.mark.parametrize(
     ("model_type", "extra", "message"),
     [
-        ("deepseek_v3", [], r"models.policy.path \(.*\): .*model type 'deepseek_v3' has no Megatron"),
+        ("glm_moe_dsa", [], r"models.policy.path \(.*\): .*model type 'glm_moe_dsa' has no Megatron"),
         ("qwen3_moe", LORA, r"is an MoE model: train.backend megatron does not support train.lora on MoE models"),
     ],
 )

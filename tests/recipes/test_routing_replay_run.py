@@ -1,5 +1,6 @@
-"""`miles train --engine.routed-experts true` end to end on a tiny Qwen3-MoE: the embedded engine records each
-token's experts, the trainer replays them, and engine and trainer log-probs agree after every weight push."""
+"""`miles train --engine.routed-experts true` end to end on a tiny Qwen3-MoE (and DeepSeek-V3 on Megatron): the
+embedded engine records each token's experts, the trainer replays them, and engine and trainer log-probs agree after
+every weight push."""
 
 import json
 
@@ -13,20 +14,34 @@ OVERRIDES = [*tiny_run(data_size=16, num_steps=2), "--engine.routed-experts", "t
 
 
 @pytest.fixture(scope="module")
-def moe_smollm2_dir(tmp_path_factory):
+def moe_smollm2_dirs(tmp_path_factory):
+    """family -> the tiny MoE model of that family sized for SmolLM2's tokenizer (saved once per module)."""
     from miles.recipes.models.smollm2 import ensure_smollm2
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
-    return save_moe_model("qwen3_moe", tmp_path_factory.mktemp("tiny_qwen3_moe"), tokenizer=tokenizer)
+    tokenizer, saved = AutoTokenizer.from_pretrained(ensure_smollm2()), {}
+
+    def get(family: str):
+        if family not in saved:
+            saved[family] = save_moe_model(family, tmp_path_factory.mktemp(f"tiny_{family}"), tokenizer=tokenizer)
+        return saved[family]
+
+    return get
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
-def test_routed_run_replays_the_engines_experts(moe_smollm2_dir, tmp_path, monkeypatch, backend):
+@pytest.fixture(scope="module")
+def moe_smollm2_dir(moe_smollm2_dirs):
+    return moe_smollm2_dirs("qwen3_moe")
+
+
+@pytest.mark.parametrize(
+    ("backend", "family"), [("fsdp2", "qwen3_moe"), ("megatron", "qwen3_moe"), ("megatron", "deepseek_v3")]
+)
+def test_routed_run_replays_the_engines_experts(moe_smollm2_dirs, tmp_path, monkeypatch, backend, family):
     if backend == "megatron":
         pytest.importorskip("megatron.core")
     monkeypatch.syspath_prepend(TINY_RUN_PATH)
-    args = ["--models.policy.path", str(moe_smollm2_dir), *OVERRIDES, "--train.backend", backend]
+    args = ["--models.policy.path", str(moe_smollm2_dirs(family)), *OVERRIDES, "--train.backend", backend]
     cfg = resolve_config("smollm2_grpo_arithmetic", args)
     assert cfg.engine.routed_experts
     run(cfg, tmp_path)

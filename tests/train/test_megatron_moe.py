@@ -1,7 +1,8 @@
-"""Megatron-core backend on a tiny Qwen3-MoE (CPU, gloo): the MoE conversion, and routing replay (R3) with the same
-semantics as the FSDP2 trainer's. Rollouts of the embedded engine carry their routing into the batch; with replay
-Megatron's log-probs equal the engine's, and with perturbed routers Megatron and FSDP2 replay to the same
-log-probs and gradients."""
+"""Megatron-core backend on tiny MoE models (CPU, gloo) of two families: Qwen3-MoE (softmax router) and DeepSeek-V3
+(multi-head latent attention, sigmoid group-limited router with score-correction bias and scaling, shared experts):
+the conversion, and routing replay (R3) with the same semantics as the FSDP2 trainer's. Rollouts of the embedded
+engine carry their routing into the batch; with replay Megatron's log-probs equal the engine's, and with perturbed
+routers Megatron and FSDP2 replay to the same log-probs and gradients."""
 
 import dataclasses
 import subprocess
@@ -25,9 +26,20 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="train.backend
 OBJECTIVE = PolicyObjective(AlgorithmConfig(), max_new_tokens=8)
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return save_moe_model("qwen3_moe", tmp_path_factory.mktemp("tiny_qwen3_moe"))
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def moe_dir(request, tmp_path_factory):
+    """The tiny model of the family, its norms moved off 1 (so a mis-mapped norm shows in the logits)."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_moe_model(request.param, tmp_path_factory.mktemp(f"tiny_{request.param}"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.1)
+    model.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +53,7 @@ def perturbed_dir(moe_dir, tmp_path_factory):
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.add_(torch.randn(param.shape, generator=gen) * 0.03)
-    path = tmp_path_factory.mktemp("tiny_qwen3_moe_perturbed")
+    path = tmp_path_factory.mktemp(f"{moe_dir.name}_perturbed")
     model.save_pretrained(path)
     return path
 
@@ -77,6 +89,10 @@ def test_megatron_moe_logits_equal_the_hf_model_and_experts_convert_back_exactly
         expected = hf(input_ids=tokens).logits
         got = CausalLMView(backend.gpt, VOCAB)(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    if hf.config.model_type == "deepseek_v3":  # the router's score-correction bias is a Megatron buffer
+        bias = backend.gpt.decoder.layers[1].mlp.router.expert_bias
+        assert torch.equal(bias, hf.state_dict()["model.layers.1.mlp.gate.e_score_correction_bias"])
+        assert bias.abs().sum() > 0
     exported, state = dict(backend.export_weights()), hf.state_dict()
     assert exported.keys() == state.keys()
     for name, tensor in exported.items():
@@ -133,7 +149,10 @@ def test_two_ranks_replaying_the_engines_routing_equal_one_rank(moe_dir, rollout
     """TP=2 (sequence parallelism on, each expert's weights split over both ranks, the packed row padded to an even
     length) or EP=2 (two data-parallel replicas of 4 rows each, 4 of the 8 experts on each rank, tokens all-gathered
     to them) on the MoE model, replaying the engine's routing: log-probs, metrics, gradients, a step and the
-    checkpoint's optimizer files equal / match one rank's."""
+    checkpoint's optimizer files equal / match one rank's. DeepSeek-V3 (MLA) runs EP=2 only: TP > 1 is refused for
+    MLA (test_mla_above_tensor_parallel_1_is_refused)."""
+    if parallel == "2" and "deepseek" in moe_dir.name:
+        pytest.skip("MLA trains at tensor parallelism 1 (refused above it)")
     batch_file = tmp_path / "batch.pt"
     batch = rollout.replace(old_log_probs=rollout.rollout_log_probs)
     torch.save({f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}, batch_file)
@@ -163,3 +182,38 @@ def test_two_ranks_replaying_the_engines_routing_equal_one_rank(moe_dir, rollout
         assert torch.equal(result["pushed"][name], result["state"][name]), name  # every expert pushed, in place
     expected = {"2": {"tp0_ep0.pt", "tp1_ep0.pt"}, "1x2": {"tp0_ep0.pt", "tp0_ep1.pt"}}[parallel]
     assert {p.name for p in (Path(str(out) + ".ckpt") / "optimizer").iterdir()} == expected
+
+
+def test_mla_above_tensor_parallel_1_is_refused(tmp_path):
+    """megatron-core 0.16's MLA without Transformer Engine at TP=2 computes the forward right (log-probs within 2.4e-7
+    of one rank, measured) but gives the rotary key's down-projection gradients ~1% wrong (4.8e-4 of 0.05): its
+    ColumnParallelLinear down-projections gather their output without summing the gradient over the ranks' heads."""
+    from miles.train.megatron.convert import transformer_config_kwargs
+    from moe_models import moe_config
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2: multi-head latent attention .* parallelism 1"):
+        transformer_config_kwargs(moe_config("deepseek_v3"), tensor_parallel=2, dtype=torch.float32)
+
+
+def test_deepseek_yarn_rope_logits_equal_the_hf_model_padded_and_packed(tmp_path):
+    """DeepSeek-V3's YaRN RoPE (factor 8 over 32 original positions, mscale_all_dim 1: cos/sin and the softmax
+    scaled) on 40-token sequences, past the original length: Megatron's logits equal HF's (measured 2.5e-7), one
+    sequence alone and two packed in a row, each from its own position 0."""
+    from miles.train.megatron.backend import CausalLMView
+    from moe_models import make_moe_model
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    hf = make_moe_model("deepseek_v3", rope_parameters=yarn)
+    hf.save_pretrained(tmp_path)
+    view = CausalLMView(_megatron(tmp_path).gpt, VOCAB)
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(40).repeat(2)[None]  # [1, 80]: two sequences packed, each from position 0
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        plain = make_moe_model("deepseek_v3")(input_ids=tokens).logits  # the same weights with the default RoPE
+        padded = view(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+        packed = view(input_ids=tokens.reshape(1, 80), position_ids=positions).logits.reshape(2, 40, -1)
+    assert (plain - expected).abs().max() > 1e-3  # YaRN changes the logits (measured 1.5e-3: tiny rotary half)
+    torch.testing.assert_close(padded, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed, expected, atol=1e-5, rtol=0)

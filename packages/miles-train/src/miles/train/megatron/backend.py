@@ -39,7 +39,7 @@ from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from miles.train.fsdp2.state import write_model_dir
 from miles.train.megatron import convert
 from miles.train.megatron import lora as megatron_lora
-from miles.train.megatron.cpu import apply_if_no_gpu
+from miles.train.megatron.cpu import apply_if_no_gpu, local_mla_spec
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -223,26 +223,35 @@ class CausalLMView:
         masked = positions[None, :] > positions[:, None]  # [L, L], True = may not attend (Megatron's convention)
         if attention_mask is not None:
             masked = masked[None, None] | ~attention_mask.bool()[:, None, None, :]  # [B, 1, L, L]
-        rope = None
+        ropes: list[torch.nn.Module] = []
         if position_ids is None:
             position_ids = positions[None, :].expand(batch, length)
         elif attention_mask is None:
             sequence = (position_ids == 0).cumsum(dim=-1)  # [B, L], which packed sequence each token is in
             masked = masked[None, None] | (sequence[:, None, :, None] != sequence[:, None, None, :])
-            rope = getattr(self.gpt, "rotary_pos_emb", None)
+            ropes = _rotary_tables(self.gpt)
         if masked.dim() == 2:
             masked = masked[None, None]
         for layer, target in targets.items():
             self.routers[layer].router_replay = RecordedTopK(target)
-        if rope is not None:  # each packed sequence rotated from its own position 0, as the engine rotates it
+        for rope in ropes:  # each packed sequence rotated from its own position 0, as the engine rotates it
             rope.forward = _rope_at(rope, position_ids)
         try:
             return self.model(input_ids, position_ids, masked)[..., : self.vocab_size]  # [B, L, V]
         finally:
             for router in self.routers.values():
                 router.router_replay = None
-            if rope is not None:
+            for rope in ropes:
                 del rope.forward  # the class's forward again
+
+
+def _rotary_tables(gpt: torch.nn.Module) -> list[torch.nn.Module]:
+    """The rotary embeddings a ``GPTModel`` computes its RoPE angles with: the model's one, or (MLA, whose attention
+    rotates only part of each head and builds its own table) each layer's attention's."""
+    if getattr(gpt, "rotary_pos_emb", None) is not None:
+        return [gpt.rotary_pos_emb]
+    return [m.rotary_pos_emb for m in (layer.self_attention for layer in gpt.decoder.layers)
+            if getattr(m, "rotary_pos_emb", None) is not None]  # fmt: skip
 
 
 def _rope_at(rope: torch.nn.Module, position_ids: Tensor):
@@ -251,8 +260,10 @@ def _rope_at(rope: torch.nn.Module, position_ids: Tensor):
     arithmetic, but the angles of a late packed sequence would be computed (and rounded) at large positions."""
     table_forward = type(rope).forward
 
-    def forward(max_seq_len: int, *args, **kwargs) -> Tensor:
+    def forward(max_seq_len: int, *args, **kwargs):
         table = table_forward(rope, int(position_ids.max()) + 1, *args, **kwargs)  # [P, 1, 1, d]
+        if isinstance(table, tuple):  # YaRN's (table, mscale)
+            return (table[0][position_ids[0]], *table[1:])
         return table[position_ids[0]]  # [N, 1, 1, d]
 
     return forward
@@ -370,10 +381,9 @@ class MegatronBackend:
         """A ``GPTModel`` holding this rank's shards of the HF model at ``path``."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-        from megatron.core.transformer import TransformerConfig
 
         hf_config = self.hf_config if Path(path) == self.model_path else _hf_config(path)
-        config = TransformerConfig(
+        config = convert.config_class(hf_config)(
             **convert.transformer_config_kwargs(
                 hf_config,
                 tensor_parallel=self.tensor_parallel,
@@ -383,6 +393,8 @@ class MegatronBackend:
         )
         # local (no Transformer Engine) dense or MoE layers per config.moe_layer_freq
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if convert.is_mla(hf_config):
+            spec = local_mla_spec(spec)  # MLA's core attention without Transformer Engine
         rng = torch.get_rng_state()  # Megatron's init draws are overwritten by the HF weights; keep the run's RNG
         model = GPTModel(
             config=config,
@@ -401,9 +413,9 @@ class MegatronBackend:
         rank holds). Raises: ValueError naming missing or unexpected tensors."""
         full = convert.hf_to_megatron(hf_state, hf_config, tensor_parallel=self.tensor_parallel)
         # LoRA: the base weights sit under base_layer; the adapters are not in an HF checkpoint
-        params = {name.replace(".base_layer.", "."): p for name, p in model.named_parameters()
+        params = {name.replace(".base_layer.", "."): p for name, p in _weights(model)
                   if not name.endswith((".lora_A", ".lora_B"))}  # fmt: skip
-        offset = self.ep_rank * hf_config.num_experts // self.expert_parallel if convert.is_moe(hf_config) else 0
+        offset = self.ep_rank * convert.num_experts(hf_config) // self.expert_parallel
         wanted = {name: convert.global_expert_name(name, offset) for name in params}
         missing = sorted(g for g in wanted.values() if g not in full)
         unexpected = sorted(set(full) - set(wanted.values()) - {n for n in full if convert.is_expert_name(n)})
@@ -597,8 +609,8 @@ class MegatronBackend:
         per split tensor, and for an expert's weight under expert parallelism one over the expert-parallel ranks,
         yielding every rank's expert under its global index (Megatron names). ``layouts``: the parameter whose
         split a name's shard has, where the name is not a parameter's (LoRA's merged weights)."""
-        params = dict(self.gpt.named_parameters()) | (layouts or {})
-        local_experts = self.hf_config.num_experts // self.expert_parallel if convert.is_moe(self.hf_config) else 0
+        params = dict(_weights(self.gpt)) | (layouts or {})
+        local_experts = convert.num_experts(self.hf_config) // self.expert_parallel
         for name, shard in named:
             param, shard = params[name], shard.detach()
             _, world, group = self._tp_layout(name)
@@ -626,7 +638,7 @@ class MegatronBackend:
         elif self.lora_layers:
             stream = self._merged_hf()
         else:
-            stream = convert.megatron_to_hf(self._gathered(self.gpt.named_parameters()), self.hf_config)
+            stream = convert.megatron_to_hf(self._gathered(_weights(self.gpt)), self.hf_config)
         if self.tensor_parallel == 1 and not (self.lora_layers and self.train_cfg.lora.sync == "merged"):
             return list(stream)  # views of the live parameters (or small adapters): a sender may resend it
         return stream  # merged LoRA weights are new tensors: one at a time, never the whole model at once
@@ -799,6 +811,15 @@ class MegatronBackend:
 
 ADAPTER_FILE = "megatron_adapters.safetensors"
 LORA_SETTINGS = ("rank", "alpha", "use_rslora", "target_modules")  # a resume must match these
+
+
+def _weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """A Megatron model's parameters and the buffers that hold HF weights (``convert.WEIGHT_BUFFERS``: DeepSeek's
+    router score-correction bias), by name."""
+    yield from model.named_parameters()
+    for name, buffer in model.named_buffers():
+        if name.endswith(convert.WEIGHT_BUFFERS):
+            yield name, buffer
 
 
 def _hf_config(path: str | Path) -> Any:

@@ -1,8 +1,10 @@
 """HF causal LMs <-> Megatron-core ``GPTModel``: the model config, parameter names and layouts, tensor-parallel shards.
 
 Supported HF architectures: the dense decoders ``llama``, ``mistral`` (without a sliding window), ``qwen2`` (q/k/v
-biases), ``qwen3`` (per-head q/k RMSNorm), and the MoE decoder ``qwen3_moe`` (softmax top-k router, dense layers
-where ``mlp_only_layers`` / ``decoder_sparse_step`` say). Layouts that differ between the two sides:
+biases), ``qwen3`` (per-head q/k RMSNorm), and the MoE decoders ``qwen3_moe`` (softmax top-k router, dense layers
+where ``mlp_only_layers`` / ``decoder_sparse_step`` say) and ``deepseek_v3`` (DeepSeek-V3 / Kimi K2: multi-head
+latent attention, a sigmoid router with group-limited top-k, score-correction bias and scaling, shared experts, the
+first ``first_k_dense_replace`` layers dense). Layouts that differ between the two sides:
 
 - attention: HF ``q_proj`` [H*d, h], ``k_proj``/``v_proj`` [G*d, h] -> Megatron ``linear_qkv`` [G*(H/G + 2)*d, h],
   grouped per query group g as [q heads of g; k_g; v_g] (biases the same way);
@@ -13,7 +15,13 @@ where ``mlp_only_layers`` / ``decoder_sparse_step`` say). Layouts that differ be
   ``mlp.gate`` -> ``mlp.router``;
 - vocabulary: padded with zero rows to a multiple of the tensor-parallel size (``padded_vocab_size``); the padding is
   dropped from the logits and from the weights sent back to HF;
-- tied embeddings: one ``embedding.word_embeddings.weight``, no ``output_layer`` (HF ``tie_word_embeddings``).
+- tied embeddings: one ``embedding.word_embeddings.weight``, no ``output_layer`` (HF ``tie_word_embeddings``);
+- MLA (DeepSeek-V3): every projection keeps its layout (``q_a_proj`` -> ``linear_q_down_proj``, ``q_b_proj`` ->
+  ``linear_q_up_proj``, ``kv_a_proj_with_mqa`` -> ``linear_kv_down_proj``, ``kv_b_proj`` -> ``linear_kv_up_proj``,
+  their RMSNorms -> ``q_layernorm`` / ``kv_layernorm``); Megatron's MLA de-interleaves the rotary half of q and k
+  before rotating it, which is HF's ``rope_interleave``; the router's ``e_score_correction_bias`` is Megatron's
+  ``expert_bias`` buffer (kept fixed: ``moe_router_bias_update_rate`` 0), shared experts' gate/up/down are fused like
+  a dense MLP's.
 
 Names are those of Megatron's local layer specs (``get_gpt_decoder_block_spec(use_transformer_engine=False)``:
 separate ``input_layernorm`` and ``pre_mlp_layernorm`` modules, ``SequentialMLP`` experts).
@@ -28,7 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF names inside model.layers.<i>. whose tensor is copied as is -> Megatron names inside decoder.layers.<i>.
@@ -36,24 +45,75 @@ _LAYER_RENAMES = {
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
-    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
     "mlp.gate.weight": "mlp.router.weight",
+    "mlp.gate.e_score_correction_bias": "mlp.router.expert_bias",
+    "mlp.shared_experts.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
 }
+# Qwen3's per-head q/k norms; MLA's names (DeepSeek-V3) instead, where q_layernorm is q_a_proj's norm
+_QK_NORM_RENAMES = {
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+}
+_MLA_RENAMES = {
+    "self_attn.q_proj.weight": "self_attention.linear_q_proj.weight",  # without q_lora_rank
+    "self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
+    "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
+    "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
+    "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
+}
+# a gated MLP's gate/up -> linear_fc1 = [gate; up]
+_GATE_UP = {"mlp.gate_proj.weight": "mlp.linear_fc1.weight",
+            "mlp.shared_experts.gate_proj.weight": "mlp.shared_experts.linear_fc1.weight"}  # fmt: skip
+# Megatron buffers that hold HF weights (the rest of a model's buffers are derived: rotary tables, counters)
+WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
 _TOP_RENAMES = {"model.norm.weight": "decoder.final_layernorm.weight", "lm_head.weight": "output_layer.weight"}
 _EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _layer_renames(hf_config: Any) -> dict[str, str]:
+    """HF name inside a decoder layer -> Megatron name, for the tensors copied as they are."""
+    return _LAYER_RENAMES | (_MLA_RENAMES if is_mla(hf_config) else _QK_NORM_RENAMES)
 
 
 def _rope_theta(hf_config: Any) -> float:
     params = getattr(hf_config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
+    if rope_type == "yarn" and is_mla(hf_config):
+        _yarn_kwargs(hf_config)
+    elif rope_type != "default":
         raise ValueError(
             f"train.backend megatron: rope type {rope_type!r} of this model is not converted yet (only the default "
             "RoPE); use --train.backend fsdp2"
         )
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def _yarn_kwargs(hf_config: Any) -> dict[str, Any]:
+    """DeepSeek-V3's YaRN RoPE (``rope_parameters`` type "yarn") as ``MLATransformerConfig`` fields; {} for the
+    default RoPE. Megatron's MLA scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim) and the
+    softmax by mscale(factor, mscale_all_dim)^2, as HF's DeepSeek-V3 does."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "yarn":
+        return {}
+    unknown = set(params) - {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+                             "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor"}  # fmt: skip
+    if unknown or params.get("truncate", True) is False or params.get("attention_factor") is not None:
+        raise ValueError(
+            f"train.backend megatron: YaRN rope_parameters {sorted(unknown) or 'truncate / attention_factor'} are not "
+            "converted yet; use --train.backend fsdp2"
+        )
+    return dict(
+        rope_type="yarn",
+        rotary_scaling_factor=float(params["factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast", 32)),
+        beta_slow=float(params.get("beta_slow", 1)),
+        mscale=float(params.get("mscale", 1)),
+        mscale_all_dim=float(params.get("mscale_all_dim", 0)),
+    )
 
 
 def check_supported(hf_config: Any) -> None:
@@ -74,17 +134,54 @@ def check_supported(hf_config: Any) -> None:
         raise ValueError(
             "train.backend megatron: attention biases (attention_bias) are not converted yet; use --train.backend fsdp2"
         )
+    if model_type == "deepseek_v3":
+        _check_deepseek(hf_config)
     _rope_theta(hf_config)
 
 
+def _check_deepseek(hf_config: Any) -> None:
+    """What Megatron's MLA and sigmoid router compute differently from HF's DeepSeek-V3 unless these hold."""
+    top_k, groups, group_top_k = hf_config.num_experts_per_tok, hf_config.n_group or 1, hf_config.topk_group or 1
+    refusals = (
+        # Megatron's MLA always de-interleaves the rotary half (HF's rope_interleave true)
+        (not getattr(hf_config, "rope_interleave", True), "rope_interleave false"),
+        # Megatron renormalizes a sigmoid router's top-k weights whenever top_k > 1
+        (top_k > 1 and not hf_config.norm_topk_prob, "norm_topk_prob false"),
+        # group scores: HF sums each group's top 2 scores, Megatron its top (top_k / topk_group)
+        (groups > group_top_k and top_k // group_top_k != 2, "num_experts_per_tok / topk_group != 2 with n_group > 1"),
+        (num_experts(hf_config) % groups != 0, "n_routed_experts not a multiple of n_group"),
+    )
+    for refused, what in refusals:
+        if refused:
+            raise ValueError(
+                f"train.backend megatron: this DeepSeek-V3 config has {what}, which Megatron's MLA / router would "
+                "compute differently; use --train.backend fsdp2"
+            )
+
+
 def is_moe(hf_config: Any) -> bool:
-    return hf_config.model_type == "qwen3_moe"
+    return hf_config.model_type in MOE_MODEL_TYPES
+
+
+def is_mla(hf_config: Any) -> bool:
+    """Whether the model's attention is multi-head latent attention (DeepSeek-V3 / Kimi K2)."""
+    return hf_config.model_type == "deepseek_v3"
+
+
+def num_experts(hf_config: Any) -> int:
+    """Routed experts per MoE layer (``num_experts``, DeepSeek's ``n_routed_experts``); 0 for a dense model."""
+    if not is_moe(hf_config):
+        return 0
+    return int(getattr(hf_config, "num_experts", None) or hf_config.n_routed_experts)
 
 
 def moe_layers(hf_config: Any) -> list[int]:
-    """1 for each decoder layer with experts, 0 for a dense one (Qwen3-MoE's rule; Megatron's ``moe_layer_freq``)."""
+    """1 for each decoder layer with experts, 0 for a dense one (Megatron's ``moe_layer_freq``): Qwen3-MoE's
+    ``mlp_only_layers`` / ``decoder_sparse_step``, DeepSeek-V3's first ``first_k_dense_replace`` layers dense."""
     if not is_moe(hf_config):
         return [0] * hf_config.num_hidden_layers
+    if hf_config.model_type == "deepseek_v3":
+        return [int(i >= hf_config.first_k_dense_replace) for i in range(hf_config.num_hidden_layers)]
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     step = getattr(hf_config, "decoder_sparse_step", 1) or 1
     return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
@@ -141,11 +238,19 @@ def transformer_config_kwargs(
     expert-parallel size that does not divide the heads or the experts.
     """
     check_supported(hf_config)
-    experts = hf_config.num_experts if is_moe(hf_config) else 0
+    experts = num_experts(hf_config)
     if expert_parallel > 1 and (not experts or experts % expert_parallel):
         raise ValueError(
             f"train.megatron.expert_parallel_size {expert_parallel} must divide the model's experts per MoE layer "
             f"({experts or 'none: a dense model'}); use a divisor, or 1"
+        )
+    if is_mla(hf_config) and tensor_parallel > 1:
+        # measured: the rotary key's gradient is each rank's heads' part only (ColumnParallelLinear down-projections
+        # gather their output without summing its gradient); Transformer Engine's path duplicates them instead
+        raise ValueError(
+            f"train.megatron.tensor_parallel_size {tensor_parallel}: multi-head latent attention (DeepSeek-V3) trains "
+            "at tensor parallelism 1 here (megatron-core's layers without Transformer Engine get the rotary key's "
+            "gradient wrong above 1); use --train.megatron.tensor-parallel-size 1 with expert or data parallelism"
         )
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if heads % tensor_parallel or groups % tensor_parallel:
@@ -159,14 +264,17 @@ def transformer_config_kwargs(
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=heads,
         num_query_groups=groups,
-        kv_channels=head_dim(hf_config),
+        kv_channels=hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
+        if is_mla(hf_config)
+        else head_dim(hf_config),
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=has_qkv_bias(hf_config),
-        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
+        # Qwen3's per-head q/k norms; MLA's q_a / kv_a norms (Megatron's q_layernorm / kv_layernorm)
+        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe") or is_mla(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
@@ -182,20 +290,63 @@ def transformer_config_kwargs(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **(_moe_kwargs(hf_config, expert_parallel) if is_moe(hf_config) else {}),
+        **(_mla_kwargs(hf_config) if is_mla(hf_config) else {}),
+    )
+
+
+def config_class(hf_config: Any) -> type:
+    """Megatron's config class for ``hf_config``: ``MLATransformerConfig`` for MLA models, else
+    ``TransformerConfig``; call it with ``transformer_config_kwargs``."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    return MLATransformerConfig if is_mla(hf_config) else TransformerConfig
+
+
+def _mla_kwargs(hf_config: Any) -> dict[str, Any]:
+    """DeepSeek-V3's multi-head latent attention: low-rank q (``q_lora_rank``; None projects q directly) and kv
+    (``kv_lora_rank``), per-head ``qk_nope_head_dim`` + ``qk_rope_head_dim`` query/key width, ``v_head_dim`` values,
+    softmax scale 1/sqrt(nope + rope) (Megatron's for ``rope_type`` "rope")."""
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=hf_config.q_lora_rank,
+        kv_lora_rank=hf_config.kv_lora_rank,
+        qk_head_dim=hf_config.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+        v_head_dim=hf_config.v_head_dim,
+        rotary_base=_rope_theta(hf_config),
+        **({"rope_type": "rope"} | _yarn_kwargs(hf_config)),
     )
 
 
 def _moe_kwargs(hf_config: Any, expert_parallel: int) -> dict[str, Any]:
-    """Qwen3-MoE's router and experts in Megatron's terms: softmax over the top-k logits equals HF's softmax, top-k
-    and renormalization (``norm_topk_prob``); without renormalization the softmax runs before the top-k. No auxiliary
-    load-balancing loss (the RL objective is the whole loss, as in the FSDP2 backend) and no token dropping."""
+    """The router and experts in Megatron's terms. Qwen3-MoE: softmax over the top-k logits equals HF's softmax,
+    top-k and renormalization (``norm_topk_prob``); without renormalization the softmax runs before the top-k.
+    DeepSeek-V3: sigmoid scores, top-k of score + ``e_score_correction_bias`` within the best ``topk_group`` of
+    ``n_group`` groups, weights renormalized and times ``routed_scaling_factor``, shared experts beside; the bias is
+    not updated by training (``moe_router_bias_update_rate`` 0: the engine routes with the bias it was given).
+    No auxiliary load-balancing loss (the RL objective is the whole loss, as in the FSDP2 backend) and no token
+    dropping."""
+    if hf_config.model_type == "deepseek_v3":
+        groups = hf_config.n_group or 1
+        router = dict(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=0.0,
+            moe_router_num_groups=groups if groups > 1 else None,
+            moe_router_group_topk=hf_config.topk_group if groups > 1 else None,
+            moe_router_topk_scaling_factor=hf_config.routed_scaling_factor,
+            moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size * hf_config.n_shared_experts
+            if hf_config.n_shared_experts
+            else None,
+        )
+    else:
+        router = dict(moe_router_pre_softmax=not hf_config.norm_topk_prob, moe_router_score_function="softmax")
     return dict(
-        num_moe_experts=hf_config.num_experts,
+        num_moe_experts=num_experts(hf_config),
         moe_router_topk=hf_config.num_experts_per_tok,
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
         moe_layer_freq=moe_layers(hf_config),
-        moe_router_pre_softmax=not hf_config.norm_topk_prob,
-        moe_router_score_function="softmax",
+        **router,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32",
@@ -249,7 +400,9 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config: Any, *, tensor_par
         conversion does not know (it would be silently dropped).
     """
     vocab = padded_vocab_size(hf_config.vocab_size, tensor_parallel)
-    groups = hf_config.num_key_value_heads
+    groups, mla = hf_config.num_key_value_heads, is_mla(hf_config)
+    up_names = {f"mlp.{p}up_proj.weight" for p in ("", "shared_experts.")}
+    renames = _layer_renames(hf_config)
     out: dict[str, Tensor] = {_EMBEDDING: _pad_rows(hf_state["model.embed_tokens.weight"], vocab)}
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     for name, tensor in hf_state.items():
@@ -263,8 +416,8 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config: Any, *, tensor_par
             raise ValueError(f"train.backend megatron: no conversion for HF tensor {name!r}")
         layer, rest = match.groups()
         prefix = f"decoder.layers.{layer}."
-        if rest in _LAYER_RENAMES:
-            out[prefix + _LAYER_RENAMES[rest]] = tensor
+        if rest in renames:
+            out[prefix + renames[rest]] = tensor
         elif rest in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
             kind = rest.rsplit(".", 1)[1]
             hf = f"model.layers.{layer}.self_attn."
@@ -274,15 +427,16 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config: Any, *, tensor_par
             fc = "linear_fc1" if rest.endswith("gate_up_proj") else "linear_fc2"
             for expert, weight in enumerate(tensor):
                 out[prefix + f"mlp.experts.local_experts.{expert}.{fc}.weight"] = weight
-        elif rest == "mlp.gate_proj.weight":
-            up = hf_state[f"model.layers.{layer}.mlp.up_proj.weight"]
-            out[prefix + "mlp.linear_fc1.weight"] = torch.cat([tensor, up])
-        elif rest not in (
+        elif rest in _GATE_UP:
+            up = hf_state[f"model.layers.{layer}.{rest.replace('gate_proj', 'up_proj')}"]
+            out[prefix + _GATE_UP[rest]] = torch.cat([tensor, up])
+        elif rest in up_names:
+            continue  # fused with its gate_proj above
+        elif mla or rest not in (
             "self_attn.k_proj.weight",
             "self_attn.v_proj.weight",
             "self_attn.k_proj.bias",
             "self_attn.v_proj.bias",
-            "mlp.up_proj.weight",
         ):
             raise ValueError(f"train.backend megatron: no conversion for HF tensor {name!r}")
     return out
@@ -292,8 +446,9 @@ def megatron_to_hf(named: Iterable[tuple[str, Tensor]], hf_config: Any) -> Itera
     """HF (name, tensor) pairs from full Megatron (name, tensor) pairs, one Megatron tensor at a time (a fused
     tensor yields its parts as views). Tied embeddings are yielded once, as ``model.embed_tokens.weight``, the way
     HF checkpoints store them. Raises: ValueError for a Megatron name without an HF counterpart."""
-    vocab = hf_config.vocab_size
-    hf_layer = {v: k for k, v in _LAYER_RENAMES.items()}
+    vocab, experts_per_layer = hf_config.vocab_size, num_experts(hf_config)
+    hf_layer = {v: k for k, v in _layer_renames(hf_config).items()}
+    hf_gate = {v: k for k, v in _GATE_UP.items()}
     hf_top = {v: k for k, v in _TOP_RENAMES.items()}
     experts: dict[str, dict[int, Tensor]] = {}  # HF name -> the layer's experts so far (yielded once all are there)
     for name, tensor in named:
@@ -313,19 +468,19 @@ def megatron_to_hf(named: Iterable[tuple[str, Tensor]], hf_config: Any) -> Itera
             hf_name = prefix + ("mlp.experts.gate_up_proj" if expert[2] == "linear_fc1" else "mlp.experts.down_proj")
             stacked = experts.setdefault(hf_name, {})
             stacked[int(expert[1])] = tensor
-            if len(stacked) == hf_config.num_experts:
+            if len(stacked) == experts_per_layer:
                 parts = experts.pop(hf_name)
-                yield hf_name, torch.stack([parts[e] for e in range(hf_config.num_experts)])
+                yield hf_name, torch.stack([parts[e] for e in range(experts_per_layer)])
         elif rest in hf_layer:
             yield prefix + hf_layer[rest], tensor
         elif rest.startswith("self_attention.linear_qkv."):
             kind = rest.rsplit(".", 1)[1]
             for proj, part in zip(("q_proj", "k_proj", "v_proj"), _split_qkv(tensor, hf_config)):
                 yield f"{prefix}self_attn.{proj}.{kind}", part
-        elif rest == "mlp.linear_fc1.weight":
+        elif rest in hf_gate:
             gate, up = tensor.chunk(2)
-            yield prefix + "mlp.gate_proj.weight", gate
-            yield prefix + "mlp.up_proj.weight", up
+            yield prefix + hf_gate[rest], gate
+            yield prefix + hf_gate[rest].replace("gate_proj", "up_proj"), up
         else:
             raise ValueError(f"train.backend megatron: no HF name for Megatron tensor {name!r}")
     if experts:

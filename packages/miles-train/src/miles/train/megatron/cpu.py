@@ -21,6 +21,17 @@ Two more fill gaps of megatron-core without Transformer Engine or Apex (which ha
    ``sequence_parallel`` instead, so ``finalize_model_grads`` sums their partial gradients over the tensor-parallel
    ranks, as it does for Apex / Transformer Engine norms.
 
+One more fills a gap of Megatron's local (no Transformer Engine) layer spec for multi-head latent attention
+(DeepSeek-V3), applied to the spec of an MLA model by ``local_mla_spec`` rather than patched into Megatron:
+
+6. ``MLACoreAttention``: ``MLASelfAttention`` builds its core attention with ``k_channels`` / ``v_channels`` (query
+   and key heads of nope + rope width, value heads of ``v_head_dim``), which only Transformer Engine's attention
+   accepts; this ``DotProductAttention`` takes them and sizes its output by the value heads. The arithmetic is
+   Megatron's ``DotProductAttention.forward`` unchanged.
+7. ``multi_latent_attention.HAVE_TE = False`` where Transformer Engine is not installed: megatron-core's TE extension
+   module imports without it (its TE classes become mock objects), so MLA's import check passes and its
+   ``isinstance(linear_proj, TELinear)`` then raises a TypeError.
+
 Nothing else is touched: the model, its parallel layers, collectives (gloo), DDP and ``finalize_model_grads`` are
 Megatron's own code.
 """
@@ -142,3 +153,38 @@ def apply_if_no_gpu() -> bool:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(_sequence_parallel_norm(torch_norm.WrappedTorchNorm.__new__))
     _applied = True
     return True
+
+
+def _core_attention_class():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class MLACoreAttention(DotProductAttention):
+        """Megatron's local ``DotProductAttention`` for MLA (see 6. above): ``k_channels`` / ``v_channels`` accepted,
+        the output [s, b, heads_per_partition * v_channels]."""
+
+        def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs) -> None:
+            super().__init__(config, *args, **kwargs)
+            if v_channels is not None:
+                world = self.tp_group.size()
+                self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads, world)
+
+    return MLACoreAttention
+
+
+def local_mla_spec(block_spec):
+    """``block_spec`` (Megatron's ``TransformerBlockSubmodules`` from the local spec) with every MLA layer's core
+    attention replaced by ``MLACoreAttention`` (6. above; and 7.); other layers unchanged. Returns the same object."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False  # 7. above
+    core = _core_attention_class()
+    for layer in block_spec.layer_specs:
+        attention = layer.submodules.self_attention
+        if attention.module is MLASelfAttention:
+            attention.submodules.core_attention = core
+    return block_spec
