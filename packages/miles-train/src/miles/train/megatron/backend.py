@@ -39,7 +39,7 @@ from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from miles.train.fsdp2.state import write_model_dir
 from miles.train.megatron import convert
 from miles.train.megatron import lora as megatron_lora
-from miles.train.megatron.cpu import apply_if_no_gpu, local_mla_spec
+from miles.train.megatron.cpu import apply_if_no_gpu, local_mla_spec, tag_mla_down_projections
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -393,8 +393,8 @@ class MegatronBackend:
         )
         # local (no Transformer Engine) dense or MoE layers per config.moe_layer_freq
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-        if convert.is_mla(hf_config):
-            spec = local_mla_spec(spec)  # MLA's core attention without Transformer Engine
+        if convert.is_mla(hf_config):  # MLA without Transformer Engine
+            spec = local_mla_spec(spec, tensor_parallel=self.tensor_parallel)
         rng = torch.get_rng_state()  # Megatron's init draws are overwritten by the HF weights; keep the run's RNG
         model = GPTModel(
             config=config,
@@ -402,6 +402,8 @@ class MegatronBackend:
             **convert.gpt_model_kwargs(hf_config, tensor_parallel=self.tensor_parallel),
         )
         torch.set_rng_state(rng)
+        if convert.is_mla(hf_config):
+            tag_mla_down_projections(model)
         model.hf_vocab_size = hf_config.vocab_size
         self._load_hf(model, _hf_state(path), hf_config)
         if frozen:

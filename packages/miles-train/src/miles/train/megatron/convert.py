@@ -244,14 +244,6 @@ def transformer_config_kwargs(
             f"train.megatron.expert_parallel_size {expert_parallel} must divide the model's experts per MoE layer "
             f"({experts or 'none: a dense model'}); use a divisor, or 1"
         )
-    if is_mla(hf_config) and tensor_parallel > 1:
-        # measured: the rotary key's gradient is each rank's heads' part only (ColumnParallelLinear down-projections
-        # gather their output without summing its gradient); Transformer Engine's path duplicates them instead
-        raise ValueError(
-            f"train.megatron.tensor_parallel_size {tensor_parallel}: multi-head latent attention (DeepSeek-V3) trains "
-            "at tensor parallelism 1 here (megatron-core's layers without Transformer Engine get the rotary key's "
-            "gradient wrong above 1); use --train.megatron.tensor-parallel-size 1 with expert or data parallelism"
-        )
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if heads % tensor_parallel or groups % tensor_parallel:
         raise ValueError(
@@ -279,7 +271,8 @@ def transformer_config_kwargs(
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
         # Megatron's MoE layers need sequence parallelism at tensor parallelism > 1
-        sequence_parallel=is_moe(hf_config) and tensor_parallel > 1,
+        # (and MLA's, whose whole-weight down-projections see each rank's sequence chunk: see cpu.py)
+        sequence_parallel=(is_moe(hf_config) or is_mla(hf_config)) and tensor_parallel > 1,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),

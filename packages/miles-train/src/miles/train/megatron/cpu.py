@@ -27,7 +27,12 @@ One more fills a gap of Megatron's local (no Transformer Engine) layer spec for 
 6. ``MLACoreAttention``: ``MLASelfAttention`` builds its core attention with ``k_channels`` / ``v_channels`` (query
    and key heads of nope + rope width, value heads of ``v_head_dim``), which only Transformer Engine's attention
    accepts; this ``DotProductAttention`` takes them and sizes its output by the value heads. The arithmetic is
-   Megatron's ``DotProductAttention.forward`` unchanged.
+   Megatron's ``DotProductAttention.forward`` unchanged. At tensor parallelism > 1 the q / kv down-projections
+   are Megatron's plain ``Linear`` (every rank the whole weight, over its own sequence chunk: sequence parallelism
+   is on), as Transformer Engine's spec duplicates them: with the local spec's ``ColumnParallelLinear`` instead,
+   MLA gathers their output without summing the rotary key's gradient over the ranks' heads (measured ~1% off at
+   TP=2). Their weights are tagged ``sequence_parallel`` (``tag_mla_down_projections``), so
+   ``finalize_model_grads`` sums the ranks' partial gradients.
 7. ``multi_latent_attention.HAVE_TE = False`` where Transformer Engine is not installed: megatron-core's TE extension
    module imports without it (its TE classes become mock objects), so MLA's import check passes and its
    ``isinstance(linear_proj, TELinear)`` then raises a TypeError.
@@ -172,9 +177,10 @@ def _core_attention_class():
     return MLACoreAttention
 
 
-def local_mla_spec(block_spec):
+def local_mla_spec(block_spec, *, tensor_parallel: int = 1):
     """``block_spec`` (Megatron's ``TransformerBlockSubmodules`` from the local spec) with every MLA layer's core
-    attention replaced by ``MLACoreAttention`` (6. above; and 7.); other layers unchanged. Returns the same object."""
+    attention replaced by ``MLACoreAttention`` and, at ``tensor_parallel`` > 1, its down-projections by ``Linear``
+    (6. above; and 7.); other layers unchanged. Returns the same object."""
     import importlib.util
 
     from megatron.core.transformer import multi_latent_attention
@@ -182,9 +188,27 @@ def local_mla_spec(block_spec):
 
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False  # 7. above
+    from megatron.core.post_training.modelopt.layers import Linear
+
     core = _core_attention_class()
     for layer in block_spec.layer_specs:
         attention = layer.submodules.self_attention
         if attention.module is MLASelfAttention:
             attention.submodules.core_attention = core
+            if tensor_parallel > 1:
+                attention.submodules.linear_q_down_proj = Linear
+                attention.submodules.linear_kv_down_proj = Linear
     return block_spec
+
+
+MLA_DOWN_PROJECTIONS = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight")
+
+
+def tag_mla_down_projections(model) -> None:
+    """Tag the whole-weight MLA down-projections of a sequence-parallel model ``sequence_parallel`` (6. above):
+    each rank's gradient covers its own tokens, and ``finalize_model_grads`` sums them."""
+    if not model.config.sequence_parallel:
+        return
+    for name, param in model.named_parameters():
+        if name.endswith(MLA_DOWN_PROJECTIONS) and not getattr(param, "tensor_model_parallel", False):
+            param.sequence_parallel = True
