@@ -31,7 +31,8 @@ class Sample:
     Attributes:
         index: position of this sample in its rollout batch.
         group_index: index of the prompt; the ``n_samples_per_prompt`` samples of one prompt share it.
-        prompt: the prompt as text, chat messages (``[{"role": ..., "content": ...}]``) or token ids.
+        prompt: the prompt as text, chat messages (``[{"role": ..., "content": ...}]``; a multimodal message's
+            content is a list of parts, ``{"type": "image"}`` / ``{"type": "text", "text": ...}``) or token ids.
         label: the reference answer (or a task entry) the reward function scores against.
         tokens: prompt + response token ids; the response is the last ``response_length`` ids.
         response_length: number of response tokens, tool/environment tokens included.
@@ -58,7 +59,7 @@ class Sample:
 
     index: int
     group_index: int
-    prompt: str | list[dict[str, str]] | list[int]
+    prompt: str | list[dict[str, Any]] | list[int]
     label: Any = None
     tokens: list[int] = field(default_factory=list)
     response_length: int = 0
