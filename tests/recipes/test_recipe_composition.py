@@ -12,7 +12,13 @@ from miles.rollout.config import ProbeConfig
 
 FLAT = yaml.safe_load((Path(__file__).parent / "flat_resolved_configs.yaml").read_text())
 # Shipped recipes added after the nested config: they have no flat predecessor.
-NESTED_ONLY = {"smollm2_grpo_multiturn_calculator", "smollm2_grpo_code"}
+NESTED_ONLY = {
+    "smollm2_grpo_multiturn_calculator",
+    "smollm2_grpo_code",
+    "qwen3_30b_a3b_grpo_gsm8k",  # the frontier recipes, composed from bases/ (tests/recipes/test_tiny_twins.py)
+    "kimi_k2_grpo_gsm8k",
+    "glm_5_grpo_gsm8k",
+}
 # Changed on purpose since: the OPD recipe named the policy as its teacher (every advantage 0); now its user passes one.
 TEACHER = "/models/stronger-teacher"
 REQUIRED = {"smollm2_opd_arithmetic": ["--models.teacher.path", TEACHER]}

@@ -20,14 +20,15 @@ logger = logging.getLogger("miles")
 DEFAULT_RECIPE = "smollm2_grpo_arithmetic"
 
 
-def resolve_config(recipe: str, override_args: list[str]):
-    """Recipe (its ``base`` chain merged) + overrides -> validated ``MilesConfig``; reads the recipe files only.
+def resolve_config(recipe: str, override_args: list[str], *, tiny: bool = False):
+    """Recipe (its bases merged; with ``tiny``, its ``tiny`` sections on top) + overrides -> validated
+    ``MilesConfig``; reads the recipe files only.
 
     Raises: ValueError with a readable message.
     """
     from miles.recipes.registry import load_recipe
 
-    return _validate(load_recipe(recipe), override_args)
+    return _validate(load_recipe(recipe, tiny=tiny), override_args)
 
 
 def _recorded(path: Path) -> dict:
@@ -150,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         "the given overrides on top",
     )
     train.add_argument(
+        "--tiny",
+        action="store_true",
+        help="run the recipe on its model family's tiny random-init twin on the CPU (its `tiny` section: a few "
+        "steps, small batches, offline data); `miles recipes list` marks the recipes that have one",
+    )
+    train.add_argument(
         "--overwrite",
         action="store_true",
         help="start --run.name over: delete its checkpoints and metrics (once the new run is built)",
@@ -169,8 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export", help="write a checkpoint's model as a plain HF directory (safetensors)")
     export.add_argument("--checkpoint", required=True, help="runs/<name>/checkpoints/step_N")
     export.add_argument("--out", required=True, help="new directory to create")
-    recipes = sub.add_parser("recipes", help="list the shipped recipes")
-    recipes.add_argument("action", choices=["list"])
+    recipes = sub.add_parser(
+        "recipes",
+        help="list the shipped recipes, or show one",
+        usage="miles recipes list | miles recipes show NAME [--tiny]",
+    )
+    recipes.add_argument("action", choices=["list", "show"])
+    recipes.add_argument("name", nargs="?", default=None, help="the recipe to show")
+    recipes.add_argument("--tiny", action="store_true", help="show it with its tiny twin's overrides applied")
     config = sub.add_parser(
         "config",
         help="print the resolved config of a recipe, every field with its description",
@@ -182,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     config.add_argument("action", choices=["show"])
     config.add_argument("recipe", nargs="?", default=None, help=f"shipped recipe name or YAML path ({DEFAULT_RECIPE})")
     config.add_argument("--recipe", dest="recipe_flag", default=None, help="the same as the positional RECIPE")
+    config.add_argument(
+        "--tiny", action="store_true", help="with the recipe's tiny-twin overrides (miles train --tiny)"
+    )
     # Its options are miles.rollout.serve's own (miles serve --help), handed over unparsed.
     sub.add_parser(
         "serve",
@@ -195,11 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         return serve(rest)
     _setup_logging()
 
-    from miles.recipes.registry import recipe_description, recipe_names
+    from miles.recipes.registry import recipe_description, recipe_names, tiny_recipe_names
 
     if args.command == "recipes":
+        if args.action == "show":
+            return _show_recipe(args.name, tiny=args.tiny)
+        with_tiny = set(tiny_recipe_names())
         for name in recipe_names():
-            print(f"{name:36s} {recipe_description(name)}")  # noqa: T201 - CLI output
+            mark = " [--tiny]" if name in with_tiny else ""
+            print(f"{name:36s} {recipe_description(name)}{mark}")  # noqa: T201 - CLI output
         return 0
     if args.command == "export":
         return _export(args.checkpoint, args.out, rest)
@@ -215,10 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if resume is not None and overwrite:
             raise ValueError("--resume continues a run and --overwrite deletes it: pass one of them")
+        if resume is not None and getattr(args, "tiny", False):
+            raise ValueError("--tiny starts a new run on a tiny twin; --resume continues a run with its own config")
         if resume is not None:
             cfg, run_dir, checkpoint = resolve_resume(resume, recipe, rest)
         else:
-            cfg, checkpoint = resolve_config(recipe, rest), None
+            cfg, checkpoint = resolve_config(recipe, rest, tiny=getattr(args, "tiny", False)), None
     except ValueError as err:
         return _fail(err)
     if args.command == "config":
@@ -243,6 +265,27 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as err:
                 return _fail(err)
         return _train(cfg, run_dir, checkpoint, resumed=resume is not None, overwrite=overwrite)
+
+
+def _show_recipe(name: str | None, *, tiny: bool) -> int:
+    """``miles recipes show NAME``: its description, the bases it composes, and the recipe with them merged (and,
+    with ``tiny``, its tiny-twin overrides) as YAML; exit 2 with one line for an unknown recipe."""
+    from miles.recipes.registry import load_recipe, recipe_bases, recipe_description
+
+    if name is None:
+        return _fail(ValueError("miles recipes show: name the recipe (miles recipes list shows them)"))
+    try:
+        merged = load_recipe(name, tiny=tiny)
+        bases = recipe_bases(name)
+        description = recipe_description(name) if Path(name).suffix not in (".yaml", ".yml") else ""
+    except ValueError as err:
+        return _fail(err)
+    lines = [f"# {name}: {description}" if description else f"# {name}"]
+    lines += [f"# composes: {' + '.join(bases)}"] if bases else []
+    lines += ["# with its tiny twin's overrides (--tiny)"] if tiny else []
+    print("\n".join(lines))  # noqa: T201 - CLI output
+    print(yaml.safe_dump(merged, sort_keys=False, default_flow_style=None, width=120), end="")  # noqa: T201
+    return 0
 
 
 def _busy_hint(resume: str | None, overwrite: bool) -> str:

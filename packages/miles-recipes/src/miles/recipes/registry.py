@@ -1,22 +1,33 @@
 """Recipes (YAML files shipped in ``miles/recipes/recipes/``) and registered model names.
 
-A recipe may start from another: ``base: NAME`` (a shipped recipe, or a YAML path relative to the recipe's own
-file) and give only its differences. The merge is deep: mappings merge key by key, any other value (a list, a
-scalar, ``null``) replaces the base's, so ``kl: null`` turns a section of the base off.
+A recipe may start from others: ``base: NAME`` or ``base: [NAME, ...]`` (shipped recipes, the shared parts under
+``recipes/bases/`` such as ``bases/model/qwen3_moe``, or YAML paths relative to the recipe's own file) and give only
+its differences; a list composes its bases left to right (model x algorithm x task), then the recipe itself. The
+merge is deep: mappings merge key by key, any other value (a list, a scalar, ``null``) replaces the earlier one, so
+``kl: null`` turns a section of a base off.
+
+A recipe (or one of its bases) may carry a ``tiny`` section: the overrides that run it on its model family's tiny
+twin on a CPU (``miles train --recipe NAME --tiny``; ``miles.recipes.models.tiny``); ``tiny`` sections compose like
+the recipes and are applied last.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
+from miles.recipes.models import tiny
 from miles.recipes.models.smollm2 import ensure_smollm2
 
-MODELS: dict[str, Callable[[], Path]] = {"smollm2-135m-instruct": ensure_smollm2}
+MODELS: dict[str, Callable[[], Path]] = {
+    "smollm2-135m-instruct": ensure_smollm2,
+    **{tiny.model_name(family): functools.partial(tiny.ensure_tiny, family) for family in tiny.FAMILIES},
+}
 
 
 def recipe_names() -> list[str]:
@@ -44,42 +55,74 @@ def _read_recipe(name_or_path: str, *, relative_to: Path | None = None) -> tuple
 
 
 def merge_recipe(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``overrides`` deep-merged onto a copy of ``base``: mappings key by key, anything else replaces."""
+    """``overrides`` deep-merged onto a copy of ``base``: mappings key by key, anything else replaces. A mapping
+    whose ``type`` differs from the base's (``engine.type`` embedded -> sglang, ``reward.type`` ...) replaces it
+    whole: the other type's fields do not apply to it."""
     merged = copy.deepcopy(base)
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        old = merged.get(key)
+        switched = (
+            isinstance(value, dict) and isinstance(old, dict) and value.get("type", old.get("type")) != old.get("type")
+        )
+        if isinstance(value, dict) and isinstance(old, dict) and not switched:
             merged[key] = merge_recipe(merged[key], value)
         else:
             merged[key] = copy.deepcopy(value)
     return merged
 
 
-def load_recipe(name_or_path: str) -> dict[str, Any]:
-    """The raw config dict of a shipped recipe name, or of a YAML file path, with its ``base`` chain merged in.
+def load_recipe(name_or_path: str, *, tiny: bool = False) -> dict[str, Any]:
+    """The raw config dict of a shipped recipe name, or of a YAML file path, with its bases merged in (and with
+    ``tiny``, its ``tiny`` sections applied last).
 
-    Raises: ValueError listing the shipped recipes when a name is unknown, or naming a ``base`` cycle.
+    Raises: ValueError listing the shipped recipes when a name is unknown, naming a ``base`` cycle, or (``tiny``)
+        naming the recipes that have a tiny twin when this one has none.
     """
-    chain: list[dict[str, Any]] = []
-    seen: list[str] = []
-    name, folder = name_or_path, None
-    while True:
-        data, here = _read_recipe(name, relative_to=folder)
-        key = str(here / Path(name).name) if here is not None else name
-        if key in seen:
-            raise ValueError(f"recipe {name_or_path!r}: its base chain {' -> '.join([*seen, key])} is a cycle")
-        seen.append(key)
-        data.pop("description", None)
-        base = data.pop("base", None)
-        chain.append(data)
-        if base is None:
-            break
-        if not isinstance(base, str):
-            raise ValueError(f"recipe {name!r}: base must be a recipe name or YAML path, got {base!r}")
-        name, folder = base, here
+    merged, tiny_overrides = _load_composed(name_or_path, None, ())
+    if not tiny:
+        return merged
+    if not tiny_overrides:
+        raise ValueError(
+            f"recipe {name_or_path!r} has no tiny twin (no `tiny:` section); --tiny works with {tiny_recipe_names()}"
+        )
+    return merge_recipe(merged, tiny_overrides)
+
+
+def _load_composed(name: str, folder: Path | None, stack: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(recipe, tiny overrides) of ``name`` with its bases composed in, depth first."""
+    data, here = _read_recipe(name, relative_to=folder)
+    key = str(here / Path(name).name) if here is not None else name
+    if key in stack:
+        raise ValueError(f"recipe {stack[0]!r}: its base chain {' -> '.join([*stack, key])} is a cycle")
+    data.pop("description", None)
+    bases = data.pop("base", None)
+    own_tiny = data.pop("tiny", None) or {}
+    if bases is None:
+        bases = []
+    elif isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ValueError(f"recipe {name!r}: base must be a recipe name or YAML path, or a list of them, got {bases!r}")
+    if not isinstance(own_tiny, dict):
+        raise ValueError(f"recipe {name!r}: tiny must be a mapping of config overrides, got {own_tiny!r}")
     merged: dict[str, Any] = {}
-    for data in reversed(chain):
-        merged = merge_recipe(merged, data)
-    return merged
+    tiny_overrides: dict[str, Any] = {}
+    for base in bases:
+        base_config, base_tiny = _load_composed(base, here, (*stack, key))
+        merged, tiny_overrides = merge_recipe(merged, base_config), merge_recipe(tiny_overrides, base_tiny)
+    return merge_recipe(merged, data), merge_recipe(tiny_overrides, own_tiny)
+
+
+def recipe_bases(name_or_path: str) -> list[str]:
+    """The bases a recipe names directly (``base``), in order."""
+    data, _ = _read_recipe(name_or_path)
+    bases = data.get("base") or []
+    return [bases] if isinstance(bases, str) else list(bases)
+
+
+def tiny_recipe_names() -> list[str]:
+    """The shipped recipes with a tiny twin (a ``tiny`` section of their own or from a base)."""
+    return [name for name in recipe_names() if _load_composed(name, None, ())[1]]
 
 
 def recipe_description(name: str) -> str:

@@ -1,0 +1,155 @@
+"""Tiny random-init twins of the model families Miles' recipes target, for running a recipe's whole loop on a CPU.
+
+A twin has its family's HF architecture (``model_type``, attention and MoE layout: Qwen3's q/k norms, Qwen3-MoE's
+softmax router, DeepSeek-V3 / Kimi K2's multi-head latent attention and sigmoid group-limited router with shared
+experts, GLM-5's DSA attention) at toy sizes: 3 decoder layers of width 32, 8 experts of which 2 per token, layer 0
+dense. Its tokenizer and chat template are SmolLM2-135M-Instruct's (shipped offline with Miles; the families' own
+tokenizers are not), so the vocabulary (49,152) dominates its ~1.6 M parameters (tied embeddings). Weights are
+drawn from a fixed seed, routers with std 1 (HF initializes them near zero, where every token's experts would tie).
+A twin learns nothing useful; it shows the recipe's loop, conversions and routing replay run for that architecture.
+
+Each twin is built once into the model cache (``default_cache_dir()/tiny-<family>-v1``) and published by an atomic
+rename; ``miles train --recipe NAME --tiny`` (the recipe's ``tiny`` section) and ``--models.policy.path
+tiny-<family>`` use them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles.recipes.models.smollm2 import default_cache_dir, ensure_smollm2
+
+logger = logging.getLogger(__name__)
+
+VERSION = 1  # bump when a twin's config or init changes: a new cache directory, old ones untouched
+SEED = 0
+_COMMON = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+_MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
+_MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            v_head_dim=8)  # fmt: skip
+_DEEPSEEK_ROUTER = dict(n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1)
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """One family's twin: the HF ``model_type`` and its config fields, and the public models it stands for."""
+
+    model_type: str
+    config: dict[str, Any]
+    twin_of: str
+
+
+FAMILIES: dict[str, TinyFamily] = {
+    "qwen3": TinyFamily("qwen3", dict(num_key_value_heads=2, head_dim=8), "Qwen3 dense (Qwen/Qwen3-0.6B ... 32B)"),
+    "qwen3-moe": TinyFamily(
+        "qwen3_moe",
+        dict(num_key_value_heads=2, head_dim=8, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0], **_MOE),
+        "Qwen3-MoE (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B)",
+    ),
+    "deepseek-v3": TinyFamily(
+        "deepseek_v3",
+        dict(**_MLA, **_MOE, **_DEEPSEEK_ROUTER, routed_scaling_factor=2.5),
+        "DeepSeek-V3 / Kimi K2 (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct)",
+    ),
+    "glm-5": TinyFamily(
+        "glm_moe_dsa",
+        dict(
+            **_MLA,
+            **_MOE,
+            **_DEEPSEEK_ROUTER,
+            head_dim=8,
+            index_topk=8,
+            index_head_dim=8,
+            index_n_heads=2,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+        ),  # fmt: skip
+        "GLM-5 (glm_moe_dsa: DSA attention, the DeepSeek-V3 router)",
+    ),
+}
+
+
+def model_name(family: str) -> str:
+    """The registered model name of a family's twin: ``tiny-<family>``."""
+    return f"tiny-{family}"
+
+
+def tiny_config(family: str, tokenizer: Any) -> Any:
+    """The HF config of ``family``'s twin sized for ``tokenizer`` (vocabulary, special ids).
+
+    Raises: ValueError naming the known families.
+    """
+    from transformers import AutoConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"no tiny twin of family {family!r}; families: {sorted(FAMILIES)}")
+    spec = FAMILIES[family]
+    return AutoConfig.for_model(
+        spec.model_type,
+        **_COMMON,
+        **spec.config,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_tiny(family: str, path: Path) -> Path:
+    """Write ``family``'s twin (fp32 safetensors, config, SmolLM2's tokenizer and chat template) into ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, tokenizer), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # routers: far enough from 0 that tokens pick distinct experts
+                param.normal_(0.0, 1.0)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def ensure_tiny(family: str, cache_dir: Path | None = None) -> Path:
+    """The HF model directory of ``family``'s twin, built into the cache on first use (a temporary sibling
+    directory, then an atomic rename: a crash never leaves a half-written model).
+
+    Raises: ValueError naming the known families; what ``ensure_smollm2`` raises without its package.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"no tiny twin of family {family!r}; families: {sorted(FAMILIES)}")
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / f"{model_name(family)}-v{VERSION}"
+    if (target / "config.json").exists():
+        return target
+    start = time.perf_counter()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
+    try:
+        build_tiny(family, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race with another process: theirs is complete
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("built the tiny %s twin at %s in %.1fs", family, target, time.perf_counter() - start)
+    return target
