@@ -273,7 +273,7 @@ def _show_recipe(name: str | None, *, tiny: bool) -> int:
     from miles.recipes.registry import load_recipe, recipe_bases, recipe_description
 
     if name is None:
-        return _fail(ValueError("miles recipes show: name the recipe (miles recipes list shows them)"))
+        return _fail(ValueError("recipes show needs a recipe name (miles recipes list shows them)"))
     try:
         merged = load_recipe(name, tiny=tiny)
         bases = recipe_bases(name)

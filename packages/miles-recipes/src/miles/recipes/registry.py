@@ -138,9 +138,17 @@ def check_model_path(name_or_path: str, *, key: str) -> None:
     """
     if name_or_path in MODELS or (Path(name_or_path).expanduser() / "config.json").is_file():
         return
+    flag = f"--{key.replace('_', '-')}"
+    hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith(("/", ".", "~"))
+    fix = (
+        f"Miles does not download models: fetch {name_or_path} (e.g. `huggingface-cli download {name_or_path} "
+        f"--local-dir DIR`) and pass {flag} DIR; on a CPU, a recipe with a tiny twin runs with --tiny."
+        if hub_id
+        else f"Pass {flag} smollm2-135m-instruct or a local HF model directory."
+    )
     raise ValueError(
-        f"{key} is {name_or_path!r}: not a registered model {sorted(MODELS)} and not a directory with "
-        f"config.json. Pass --{key.replace('_', '-')} smollm2-135m-instruct or a local HF model directory."
+        f"{key} is {name_or_path!r}: not a registered model ({', '.join(sorted(MODELS))}) and not a directory with "
+        f"config.json. {fix}"
     )
 
 
