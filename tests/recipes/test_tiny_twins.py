@@ -64,6 +64,10 @@ def test_a_list_of_bases_composes_left_to_right_and_a_type_switch_replaces_the_s
     assert merge_recipe({"reward": {"type": "math", "x": 1}}, {"reward": {"x": 2}}) == {
         "reward": {"type": "math", "x": 2}
     }
+    # a type over a base that names none merges (as command-line overrides do): the base's fields stay
+    assert merge_recipe({"engine": {"max_batch_size": 8}}, {"engine": {"type": "embedded"}}) == {
+        "engine": {"max_batch_size": 8, "type": "embedded"}
+    }
 
 
 def test_a_base_cycle_through_a_list_is_named(tmp_path):

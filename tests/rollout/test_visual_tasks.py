@@ -3,6 +3,7 @@ fill, the square's colour read back, the red shape's centroid located), problems
 index), the prompt has the multimodal chat layout with the PNG beside it, and the source resumes and refuses bad
 options."""
 
+import base64
 import json
 
 import pytest
@@ -119,7 +120,10 @@ def test_the_prompt_is_an_image_part_then_the_question_and_the_png_travels_in_me
     (image,) = decode_images(sample.metadata)
     assert image.size == (48, 48) and image.mode == "RGB" and image.tobytes() == drawn.tobytes()
     assert decode_images(sample)[0].tobytes() == drawn.tobytes()
-    assert isinstance(sample.metadata["images"][0], bytes) and sample.metadata["images"][0][:4] == b"\x89PNG"
+    png = sample.metadata["images"][0]
+    assert isinstance(png, str) and base64.b64decode(png)[:4] == b"\x89PNG"
+    # JSON-able: checkpoints of queued prompts and remote rewards serialize metadata as JSON
+    assert decode_images(json.loads(json.dumps(sample.metadata)))[0].tobytes() == drawn.tobytes()
 
 
 @pytest.mark.parametrize(

@@ -183,6 +183,52 @@ def test_two_ranks_replaying_the_engines_routing_equal_one_rank(moe_dir, rollout
     assert {p.name for p in (Path(str(out) + ".ckpt") / "optimizer").iterdir()} == expected
 
 
+@pytest.mark.parametrize(
+    "yarn",
+    [
+        # HF keeps the legacy "type" beside rope_type (DeepSeek-V3's own config.json); only mscale_all_dim set:
+        # cos/sin scaled by mscale(factor) as HF does, not by 1 / mscale(factor, mscale_all_dim)
+        {"type": "yarn", "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+         "original_max_position_embeddings": 32, "mscale_all_dim": 1.0},
+        # only mscale set: cos/sin by mscale(factor), the softmax unscaled
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+         "mscale": 0.7},
+    ],
+    ids=["legacy_type_mscale_all_dim_only", "mscale_only"],
+)  # fmt: skip
+def test_yarn_variants_of_real_configs_convert_to_the_hf_logits(tmp_path, yarn):
+    from miles.train.megatron.backend import CausalLMView
+    from moe_models import make_moe_model
+
+    hf = make_moe_model("deepseek_v3", rope_parameters=yarn)
+    hf.save_pretrained(tmp_path)
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    view = CausalLMView(_megatron(tmp_path).gpt, VOCAB)
+    with torch.no_grad():
+        got = view(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+        torch.testing.assert_close(got, hf(input_ids=tokens).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "what"),
+    [
+        ({"n_shared_experts": 0}, "n_shared_experts 0"),
+        ({"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}, "norm_topk_prob true with num_experts_per_tok 1"),
+        ({"norm_topk_prob": False}, "norm_topk_prob false"),
+        ({"rope_interleave": False}, "rope_interleave false"),
+    ],
+)
+def test_deepseek_configs_megatron_would_compute_differently_are_refused(overrides, what):
+    from miles.train.megatron.convert import transformer_config_kwargs
+    from moe_models import moe_config
+
+    config = moe_config("deepseek_v3")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=f"this DeepSeek-V3 config has {what}, which Megatron"):
+        transformer_config_kwargs(config, tensor_parallel=1, dtype=torch.float32)
+
+
 def test_deepseek_yarn_rope_logits_equal_the_hf_model_padded_and_packed(tmp_path):
     """DeepSeek-V3's YaRN RoPE (factor 8 over 32 original positions, mscale_all_dim 1: cos/sin and the softmax
     scaled) on 40-token sequences, past the original length: Megatron's logits equal HF's (measured 2.5e-7), one

@@ -61,9 +61,9 @@ def merge_recipe(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
     merged = copy.deepcopy(base)
     for key, value in overrides.items():
         old = merged.get(key)
-        switched = (
-            isinstance(value, dict) and isinstance(old, dict) and value.get("type", old.get("type")) != old.get("type")
-        )
+        # as miles.recipes.overrides does: only when both name a type, and another one
+        switched = isinstance(value, dict) and isinstance(old, dict) and "type" in value and "type" in old
+        switched = switched and value["type"] != old["type"]
         if isinstance(value, dict) and isinstance(old, dict) and not switched:
             merged[key] = merge_recipe(merged[key], value)
         else:

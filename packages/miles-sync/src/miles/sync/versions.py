@@ -1,8 +1,9 @@
 """Weight versions: the number a push gets, and the version directories kept on disk.
 
-Every weight sink and sender numbers its pushes 1, 2, ... (0 before the first) and refuses a version that is not
-newer than the last committed one (``next_version``). Sinks that hand weights over as files publish version
-``v`` as the directory ``<root>/v{v:06d}`` (``version_dir``) and keep the newest few (``prune_versions``).
+Weight sinks and senders number their pushes 1, 2, ... (0 before the first) and refuse a version that is not
+newer than the last committed one (``next_version``; ``VLLMWeightSink`` through its ``WeightSender``). Sinks that
+hand weights over as files publish version ``v`` as the directory ``<root>/v{v:06d}`` (``version_dir``) and keep
+the newest few (``prune_versions``).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ checkpoint needs.
 It is for VLM RL: a text-only model cannot see the image, and the VLM rollout/trainer path that feeds it to a model
 is being built. The prompt is chat messages in the layout transformers' multimodal chat templates take (a user
 message whose content is an ``{"type": "image"}`` part, then a ``{"type": "text"}`` part); the image itself travels
-beside it as PNG bytes in ``metadata["images"]`` (one per image part, in order), so the sample stays plain data.
-``decode_images`` turns them back into PIL images.
+beside it as base64 PNG text in ``metadata["images"]`` (one per image part, in order), so the sample stays plain
+JSON-able data (checkpoints of queued prompts and remote rewards serialize metadata as JSON). ``decode_images`` turns
+them back into PIL images.
 
 Select it with ``data.source custom`` and ``data.source_path miles.rollout.data.visual_tasks:build_source``;
 ``data.task_kwargs`` may set ``families`` (a subset of the family names) and ``image_size`` (>= 32).
@@ -18,6 +19,7 @@ Select it with ``data.source custom`` and ``data.source_path miles.rollout.data.
 
 from __future__ import annotations
 
+import base64
 import io
 import random
 from collections.abc import Callable, Sequence
@@ -138,17 +140,18 @@ def make_problem(
     return family, image, answer
 
 
-def encode_png(image: Image.Image) -> bytes:
-    """The PNG file of ``image``: lossless, so ``decode_images`` gives back exactly the drawn pixels."""
+def encode_png(image: Image.Image) -> str:
+    """The PNG file of ``image`` as base64 text: lossless, so ``decode_images`` gives back exactly the drawn pixels,
+    and JSON-able."""
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
-    return buffer.getvalue()
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def decode_images(sample_or_metadata: Sample | dict[str, Any]) -> list[Image.Image]:
     """The RGB images of a sample (or of its ``metadata`` dict), one per image part of its prompt, in order."""
     metadata = sample_or_metadata.metadata if isinstance(sample_or_metadata, Sample) else sample_or_metadata
-    return [Image.open(io.BytesIO(data)).convert("RGB") for data in metadata["images"]]
+    return [Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB") for data in metadata["images"]]
 
 
 def _validate(families: Sequence[str], image_size: int) -> None:
@@ -168,7 +171,7 @@ class VisualTaskSource(EpochShuffledSource):
     """``DataSource`` over ``size`` bundled visual problems (``make_problem``), reshuffled every epoch.
 
     The label is the answer (``reward.type exact_match``); metadata holds ``data_index``, ``family`` and ``images``
-    (the PNG bytes of the prompt's one image).
+    (the base64 PNG of the prompt's one image).
 
     Raises: ValueError naming ``data.task_kwargs.families`` or ``data.task_kwargs.image_size`` for a bad value.
     """

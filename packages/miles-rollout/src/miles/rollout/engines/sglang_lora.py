@@ -126,7 +126,7 @@ class SGLangAdapterSink:
         stale = sorted(v for v in listed if v not in (version, version - 1))
         if stale:
             self._unload(stale, wait=False)
-        prune_versions(self.root, keep=self.keep)
+        prune_versions(self.root, keep=self.keep, current=version)
         logger.debug(
             "loaded LoRA adapter v%d into %d servers from %s in %.2fs", version, len(self.urls), path,
             time.perf_counter() - start,

@@ -109,7 +109,7 @@ class VLLMAdapterSink:
                 raise
             raise WeightUpdateError(f"LoRA adapter v{version} was not loaded: {' '.join(str(err).split())}") from None
         self._layout, self._current = layout, path
-        prune_versions(self.root, keep=self.keep)
+        prune_versions(self.root, keep=self.keep, current=version)
         logger.debug(
             "loaded LoRA adapter v%d into %d vLLM servers from %s in %.2fs", version, len(engine.in_rotation()),
             path, time.perf_counter() - start,

@@ -98,21 +98,33 @@ def _yarn_kwargs(hf_config: Any) -> dict[str, Any]:
     params = getattr(hf_config, "rope_parameters", None) or {}
     if params.get("rope_type", "default") != "yarn":
         return {}
-    unknown = set(params) - {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
-                             "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor"}  # fmt: skip
+    # "type": the legacy name of rope_type, which HF keeps beside it for configs that still write it (DeepSeek-V3's)
+    known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor"}  # fmt: skip
+    unknown = set(params) - known
     if unknown or params.get("truncate", True) is False or params.get("attention_factor") is not None:
         raise ValueError(
             f"train.backend megatron: YaRN rope_parameters {sorted(unknown) or 'truncate / attention_factor'} are not "
             "converted yet; use --train.backend fsdp2"
         )
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError(
+            "train.backend megatron: YaRN rope_parameters without original_max_position_embeddings; add it to the "
+            "model's config.json"
+        )
+    factor = params.get("factor") or hf_config.max_position_embeddings / original  # HF's fallback
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     return dict(
         rope_type="yarn",
-        rotary_scaling_factor=float(params["factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        beta_fast=float(params.get("beta_fast", 32)),
-        beta_slow=float(params.get("beta_slow", 1)),
-        mscale=float(params.get("mscale", 1)),
-        mscale_all_dim=float(params.get("mscale_all_dim", 0)),
+        rotary_scaling_factor=float(factor),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        # cos/sin scale: HF takes mscale(factor, mscale) / mscale(factor, mscale_all_dim) only when both are set,
+        # else mscale(factor); Megatron does the same when its mscale is None
+        mscale=float(mscale) if mscale and mscale_all_dim else None,
+        mscale_all_dim=float(mscale_all_dim or 0.0),  # the softmax scale's: 0 leaves it 1/sqrt(d), as in HF
     )
 
 
@@ -145,8 +157,11 @@ def _check_deepseek(hf_config: Any) -> None:
     refusals = (
         # Megatron's MLA always de-interleaves the rotary half (HF's rope_interleave true)
         (not getattr(hf_config, "rope_interleave", True), "rope_interleave false"),
-        # Megatron renormalizes a sigmoid router's top-k weights whenever top_k > 1
+        # Megatron renormalizes a sigmoid router's top-k weights exactly when top_k > 1
         (top_k > 1 and not hf_config.norm_topk_prob, "norm_topk_prob false"),
+        (top_k == 1 and hf_config.norm_topk_prob, "norm_topk_prob true with num_experts_per_tok 1"),
+        # HF builds zero-width shared experts; Megatron builds none, so their (empty) weights would not map
+        (not hf_config.n_shared_experts, "n_shared_experts 0"),
         # group scores: HF sums each group's top 2 scores, Megatron its top (top_k / topk_group)
         (groups > group_top_k and top_k // group_top_k != 2, "num_experts_per_tok / topk_group != 2 with n_group > 1"),
         (num_experts(hf_config) % groups != 0, "n_routed_experts not a multiple of n_group"),
