@@ -136,3 +136,17 @@ def test_each_tiny_twin_runs_its_recipes_loop_with_routing_replay(name, tmp_path
         assert rows[1]["train_rollout_logprob_abs_diff"] < 0.1, rows
     else:
         assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-4, rows
+
+
+def test_a_failed_build_publishes_nothing_and_leaves_no_temporary_directory(tmp_path):
+    from miles.recipes.models.smollm2 import publish_model_dir
+
+    def build(tmp):
+        (tmp / "config.json").write_text("{}")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        publish_model_dir(tmp_path / "model", build)
+    assert list(tmp_path.iterdir()) == []
+    published = publish_model_dir(tmp_path / "model", lambda tmp: (tmp / "config.json").write_text("{}"))
+    assert published == tmp_path / "model" and [p.name for p in tmp_path.iterdir()] == ["model"]

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,29 @@ def find_gguf() -> Path:
     raise FileNotFoundError(f"{DISTRIBUTION} {dist.version} is installed but does not contain {GGUF_NAME}")
 
 
+def publish_model_dir(target: Path, build: Callable[[Path], None]) -> Path:
+    """Build a model directory at ``target`` atomically: ``build(tmp)`` writes it into a temporary sibling
+    directory, which is then renamed to ``target``, so a crash never leaves a half-written model that later runs
+    would load. A concurrent process that published ``target`` first wins (its copy is complete); ours is removed.
+
+    Returns: ``target``. Raises: what ``build`` raises (nothing is left behind), OSError from the rename.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race with another process: theirs is complete
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
 def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     """Return a HF model directory with SmolLM2-135M-Instruct, converting the GGUF file on first use.
 
@@ -68,9 +92,8 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     start = time.perf_counter()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=cache_dir))
-    try:
+
+    def convert(tmp: Path) -> None:
         kwargs = dict(gguf_file=gguf_path.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
@@ -81,14 +104,7 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
         )
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race with another process: theirs is complete
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    publish_model_dir(target, convert)
     logger.info("converted %s to %s in %.1fs", gguf_path.name, target, time.perf_counter() - start)
     return target

@@ -16,15 +16,12 @@ tiny-<family>`` use them.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.recipes.models.smollm2 import default_cache_dir, ensure_smollm2
+from miles.recipes.models.smollm2 import default_cache_dir, ensure_smollm2, publish_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -138,18 +135,6 @@ def ensure_tiny(family: str, cache_dir: Path | None = None) -> Path:
     if (target / "config.json").exists():
         return target
     start = time.perf_counter()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
-    try:
-        build_tiny(family, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race with another process: theirs is complete
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    publish_model_dir(target, lambda tmp: build_tiny(family, tmp))
     logger.info("built the tiny %s twin at %s in %.1fs", family, target, time.perf_counter() - start)
     return target
