@@ -89,6 +89,14 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory) -> Path:
+    """The tiny random Qwen3-VL twin (``miles.recipes.models.tiny``): vision tower, processor, chat template."""
+    from miles.recipes.models.tiny import ensure_tiny
+
+    return ensure_tiny("qwen3-vl", tmp_path_factory.mktemp("tiny_vlm"))
+
+
+@pytest.fixture(scope="session")
 def gsm8k_test_file() -> Path:
     path = SHARED / "data" / "gsm8k" / "test.jsonl"
     if not path.is_file():

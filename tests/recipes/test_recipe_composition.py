@@ -18,6 +18,7 @@ NESTED_ONLY = {
     "qwen3_30b_a3b_grpo_gsm8k",  # the frontier recipes, composed from bases/ (tests/recipes/test_tiny_twins.py)
     "kimi_k2_grpo_gsm8k",
     "glm_5_grpo_gsm8k",
+    "tiny_qwen3_vl_grpo_visual",  # vision-language RL (tests/recipes/test_vlm_run.py)
 }
 # Changed on purpose since: the OPD recipe named the policy as its teacher (every advantage 0); now its user passes one.
 TEACHER = "/models/stronger-teacher"
@@ -114,6 +115,7 @@ def _nested(flat: dict) -> dict:
         **flat["train"],
         "lora": None,
         "backend": "fsdp2",
+        "freeze_vision_tower": False,
         "megatron": {"tensor_parallel_size": 1, "expert_parallel_size": 1},
     }
     return tree

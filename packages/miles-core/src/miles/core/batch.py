@@ -43,6 +43,9 @@ class TrainBatch:
             staleness (trainer version - weight_versions) is measured from its oldest segment.
         routed_experts: [B, L, num_layers, top_k] int32 MoE experts chosen at rollout for each token (routing
             replay, R3), laid out like ``tokens`` and right-padded with -1; None unless every sample has them.
+        multimodal_inputs: B entries, each row's image inputs (``miles.core.multimodal``: ``pixel_values`` [P, D],
+            ``image_grid_thw`` [I, 3]; their placeholder tokens are in the row's prompt) or None for a text-only
+            row; None when no row has images. A tuple, not a tensor: rows hold different numbers of patches.
     """
 
     tokens: Tensor
@@ -60,6 +63,7 @@ class TrainBatch:
     returns: Tensor | None = None
     weight_versions: Tensor | None = None
     routed_experts: Tensor | None = None
+    multimodal_inputs: tuple[dict[str, Tensor] | None, ...] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -76,12 +80,14 @@ class TrainBatch:
 
     def select(self, rows: Tensor) -> TrainBatch:
         """The rows given by an int64 index tensor (columns untrimmed)."""
-        return TrainBatch(
-            **{
-                f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[rows])
-                for f in dataclasses.fields(self)
-            }
-        )
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):  # per-row entries (multimodal_inputs)
+                fields[f.name] = tuple(value[i] for i in rows.tolist())
+            else:
+                fields[f.name] = None if value is None else value[rows]
+        return TrainBatch(**fields)
 
     def slice(self, start: int, end: int) -> TrainBatch:
         """Rows ``start:end``, with columns trimmed to the longest sequence/response in the slice.
@@ -94,8 +100,8 @@ class TrainBatch:
         fields = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None:
-                fields[f.name] = None
+            if value is None or isinstance(value, tuple):  # a tuple holds one entry per row
+                fields[f.name] = value if value is None else value[rows]
             elif f.name in ("tokens", "attention_mask", "routed_experts"):  # [B, L, ...]
                 fields[f.name] = value[rows, :seq_len]
             elif value.dim() == 2:
@@ -176,7 +182,23 @@ def build_train_batch(
         rollout_log_probs=rollout_log_probs if has_rollout_log_probs else None,
         weight_versions=weight_versions,
         routed_experts=_routed_experts(samples, seq_len),
+        multimodal_inputs=_multimodal_inputs(samples),
     )
+
+
+def _multimodal_inputs(samples: Sequence[Sample]) -> tuple[dict[str, Tensor] | None, ...] | None:
+    """Each sample's image inputs, checked (``validate_multimodal``); None when no sample has any.
+
+    Raises: ValueError naming the sample whose inputs are malformed.
+    """
+    from miles.core.multimodal import validate_multimodal
+
+    if all(s.multimodal_inputs is None for s in samples):
+        return None
+    for s in samples:
+        if s.multimodal_inputs is not None:
+            validate_multimodal(s.multimodal_inputs, where=f"sample {s.index}: multimodal_inputs")
+    return tuple(s.multimodal_inputs for s in samples)
 
 
 def _routed_experts(samples: Sequence[Sample], seq_len: int) -> Tensor | None:

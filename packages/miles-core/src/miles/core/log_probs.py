@@ -6,8 +6,11 @@ Two forward layouts give the same [B, T] result: ``model_response_log_probs`` ru
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from miles.core.batch import pack_sequences
+from miles.core.multimodal import MultimodalInputs, multimodal_forward_kwargs
 from torch import Tensor
 
 # Attention implementations that keep packed sequences apart (transformers 5.x). eager/sdpa/flex: the causal mask
@@ -86,6 +89,7 @@ def model_response_log_probs(
     num_response_columns: int,
     temperature: float,
     with_entropy: bool = False,
+    multimodal: Sequence[MultimodalInputs | None] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Run an HF causal LM on right-padded ``tokens`` and return ``response_log_probs`` of its output.
 
@@ -93,15 +97,21 @@ def model_response_log_probs(
     a 49k vocabulary is a fifth of a small model's compute, and prompt positions are never scored.
 
     Args:
-        model: HF causal LM (or an FSDP2-sharded one) accepting ``logits_to_keep``.
+        model: HF causal LM (or an FSDP2-sharded one) accepting ``logits_to_keep``; a vision-language model when
+            rows carry images.
         tokens: [B, L] int64; attention_mask: [B, L] bool/int; prompt_lengths: [B] int64.
         num_response_columns, temperature, with_entropy: as in ``response_log_probs``.
+        multimodal: per row, its image inputs (``miles.core.multimodal``) or None; None for a text-only batch.
     Returns: as ``response_log_probs``.
+    Raises: ValueError from ``multimodal_forward_kwargs`` (placeholders and images disagree).
     """
     seq_len = tokens.shape[1]
     offset = int(prompt_lengths.min()) - 1  # host sync (one per micro-batch)
     logits = model(
-        input_ids=tokens, attention_mask=attention_mask.long(), logits_to_keep=seq_len - offset
+        input_ids=tokens,
+        attention_mask=attention_mask.long(),
+        logits_to_keep=seq_len - offset,
+        **multimodal_forward_kwargs(model, tokens, multimodal),
     ).logits  # [B, L - offset, V]
     return response_log_probs(
         logits,
@@ -123,6 +133,7 @@ def packed_model_response_log_probs(
     num_response_columns: int,
     temperature: float,
     with_entropy: bool = False,
+    multimodal: Sequence[MultimodalInputs | None] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``model_response_log_probs`` with the forward on the packed (varlen) layout: same inputs, same [B, T] outputs.
 
@@ -140,8 +151,15 @@ def packed_model_response_log_probs(
     Returns: log_probs [B, T] float32 nats; entropy [B, T] float32 or None; both equal to
         ``model_response_log_probs`` within float rounding on each row's first ``response_lengths[b]`` columns and
         exactly 0 past them (the padded path leaves unspecified values there; mask them either way). Carry grad.
-    Raises: ValueError for another attention implementation (it would attend across sequences) or left padding.
+        multimodal: must be None or all None: rows with images run on the padded layout (their multimodal RoPE
+            positions are not packed yet).
+    Raises: ValueError for another attention implementation (it would attend across sequences), left padding, or
+        rows with images.
     """
+    if multimodal is not None and any(row is not None for row in multimodal):
+        raise ValueError(
+            "train.batch_layout 'packed' does not take samples with images yet; set --train.batch-layout padded"
+        )
     attn_impl = model.config._attn_implementation
     if attn_impl not in _PACKED_MASK_ATTENTION and "flash" not in attn_impl:
         raise ValueError(

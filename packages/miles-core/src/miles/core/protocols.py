@@ -25,12 +25,15 @@ class GenerateRequest:
         seed: this request's sampling seed: the same seed, prompt, settings and weights give the same response,
             whatever the request is batched with. None = drawn from the engine's own generator state.
         request_id: names the request in the engine (abort, logs) and in its output; a fresh uuid4 hex by default.
+        multimodal_inputs: the prompt's image inputs (``miles.core.multimodal``), whose placeholder tokens are in
+            ``prompt_tokens``; None for a text-only prompt. Engines that cannot take images refuse them.
     """
 
     prompt_tokens: list[int]
     sampling: SamplingConfig
     seed: int | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    multimodal_inputs: dict[str, Any] | None = None
 
 
 @dataclass

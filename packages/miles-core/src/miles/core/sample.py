@@ -50,6 +50,9 @@ class Sample:
             for a tool/environment token; None as a whole where no token's version is known (a server engine's
             partial rollout: it reports the versions, not where they changed) and before generation.
         rollout_routed_experts: MoE experts chosen at rollout, for routing replay (R3); None for dense models.
+        multimodal_inputs: the processor's image inputs for ``tokens`` (``miles.core.multimodal``: ``pixel_values``
+            [P, D] float32, ``image_grid_thw`` [I, 3] int64), produced once at rollout and given unchanged to the
+            engine and the trainer; None for a text-only sample.
         teacher_log_probs: per response token, from a teacher model (on-policy distillation); else None.
         response_text: the response decoded by the policy's tokenizer (special tokens skipped), what rewards
             score; set by the rollout function, None before generation, for a failed sample and for token-only
@@ -71,6 +74,7 @@ class Sample:
     weight_versions: list[int] = field(default_factory=list)
     token_versions: list[int | None] | None = None
     rollout_routed_experts: Any = None
+    multimodal_inputs: dict[str, Any] | None = None
     teacher_log_probs: list[float] | None = None
     response_text: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -630,7 +630,7 @@ def evaluate_model(cfg: MilesConfig, *, log_dir: Path) -> dict[str, float]:
     """
     from miles.core.evaluation import evaluate
     from miles.rollout.engines.launch import launch_engine
-    from transformers import AutoTokenizer
+    from miles.rollout.multimodal import load_tokenizer
 
     if not cfg.eval.enabled:
         raise RunSetupError("eval.num_prompts is 0 and eval.sets is empty: nothing to evaluate; set --eval.num-prompts")
@@ -643,7 +643,8 @@ def evaluate_model(cfg: MilesConfig, *, log_dir: Path) -> dict[str, float]:
             stack.callback(reward_fn.close)
         eval_sets = build_eval_sets(cfg)
         model_path = resolve_model_path(cfg.models.policy.path, key="models.policy.path")
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        _check_vision_model(cfg, model_path, training=False)
+        tokenizer = load_tokenizer(model_path)
         launched = launch_engine(cfg.engine, model_path, log_dir=log_dir, seed=cfg.rollout.seed)
         stack.callback(launched.close)
         generate_group = build_rollout(cfg, launched.engine, tokenizer)
@@ -716,9 +717,9 @@ def run(
     from miles.core.publisher import Colocation, EnginePublisher
     from miles.rollout.engines.launch import launch_engine
     from miles.rollout.engines.server_actor import EngineRestartError
+    from miles.rollout.multimodal import load_tokenizer
     from miles.train.config import backend_class
     from miles.train.ray_group import TrainerRankFailed
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its "Loading weights" bars; the console sink owns the progress bar
@@ -738,8 +739,9 @@ def run(
         _check_room(cfg, run_dir, model_path=model_path, resume_from=resume_from)  # before any model loads
         if cfg.train.backend == "megatron":  # from config.json alone, before any engine starts
             _check_megatron_models(cfg, model_path)
+        _check_vision_model(cfg, model_path)
         t0 = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)  # a VisionProcessor for a vision-language policy
         ray_mode = cfg.execution.mode == "ray"
         engine_placement = None
         if ray_mode:  # first: a cluster that cannot start or place the trainer fails before any server starts
@@ -993,6 +995,26 @@ def _adapter_rank(cfg: MilesConfig) -> int:
     """The LoRA rank of a run whose engines apply the adapters themselves (``train.lora.sync adapter``), else 0."""
     lora = cfg.train.lora
     return lora.rank if lora is not None and lora.sync == "adapter" else 0
+
+
+def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
+    """Refuse, in one line, what vision-language policies do not run on yet: server engines (images are not sent to
+    vLLM / SGLang servers yet) and the packed batch layout (the Megatron backend refuses the architecture itself,
+    ``_check_megatron_models``). From config.json alone."""
+    from miles.core.multimodal import is_multimodal_config
+    from transformers import AutoConfig
+
+    if not is_multimodal_config(AutoConfig.from_pretrained(model_path)):
+        return
+    where = f"models.policy.path ({model_path}) is a vision-language model"
+    if cfg.engine.type != "embedded":
+        raise RunSetupError(
+            f"{where}: image prompts run on the embedded engine only for now; set --engine.type embedded"
+        )
+    if not training:
+        return
+    if cfg.train.batch_layout != "padded":
+        raise RunSetupError(f"{where}: samples with images need --train.batch-layout padded (packed is text-only)")
 
 
 def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:

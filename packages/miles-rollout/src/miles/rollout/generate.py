@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles.core.config import SamplingConfig
+from miles.core.multimodal import MultimodalInputs
 from miles.core.protocols import Engine, GenerateOutput, GenerateRequest, RequestFailed
 from miles.core.sample import Sample, SampleStatus
 
@@ -29,6 +30,22 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]] | list[int]
     else:
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def render_prompt_inputs(tokenizer: Any, sample: Sample) -> tuple[list[int], MultimodalInputs | None]:
+    """Token ids and image inputs of a sample's prompt: with ``metadata["images"]``, the vision-language policy's
+    ``VisionProcessor`` (``miles.rollout.multimodal``) renders both; otherwise ``render_prompt`` and None.
+
+    Raises: ValueError for an empty prompt, images for a text-only policy, or a prompt and images that disagree.
+    """
+    if sample.metadata.get("images"):
+        if not hasattr(tokenizer, "render_sample"):
+            raise ValueError(
+                "the prompt has images (metadata['images']) but the policy is a text-only model; use a "
+                "vision-language model (e.g. the tiny-qwen3-vl twin)"
+            )
+        return tokenizer.render_sample(sample)
+    return render_prompt(tokenizer, sample.prompt), None
 
 
 def engine_output_problem(output: GenerateOutput) -> str | None:
@@ -79,6 +96,9 @@ async def generate_group(
             only its newest segment: the tokens sampled by older weights get ``loss_mask`` 0 (slime's
             mask-offpolicy-in-partial-rollout). Needs an engine that reports ``segment_lengths``; otherwise every
             token is trained.
+    A prompt with images (``metadata["images"]``) is rendered by the policy's ``VisionProcessor``; every sample of
+    the group carries the same ``multimodal_inputs``, and its requests send them to the engine.
+
     Returns: n samples, index 0 .. n-1 (the producer renumbers them), status COMPLETED ("stop"), TRUNCATED
         ("length"), ABORTED ("abort": cut off by ``Engine.pause``; the partial response is kept, not trained) or
         FAILED (bad prompt or engine output, or a ``RequestFailed`` request; reason in ``metadata["failure"]``,
@@ -93,7 +113,7 @@ async def generate_group(
         for j in range(n)
     ]  # fmt: skip
     try:
-        prompt_tokens = render_prompt(tokenizer, prompt.prompt)
+        prompt_tokens, images = render_prompt_inputs(tokenizer, prompt)
         if len(prompt_tokens) > max_prompt_tokens:
             raise ValueError(f"prompt has {len(prompt_tokens)} tokens > max_prompt_tokens")
     except ValueError as err:
@@ -104,9 +124,11 @@ async def generate_group(
 
     async def generate_one(sample: Sample, seed: int) -> None:
         sample.tokens = list(prompt_tokens)
+        sample.multimodal_inputs = images
         for attempt in range(max_resubmits + 1):
             try:
-                output = await engine.generate(GenerateRequest(prompt_tokens, sampling, seed=seed))
+                request = GenerateRequest(prompt_tokens, sampling, seed=seed, multimodal_inputs=images)
+                output = await engine.generate(request)
             except RequestFailed as err:
                 sample.status = SampleStatus.FAILED
                 sample.metadata["failure"] = str(err)

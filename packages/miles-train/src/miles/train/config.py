@@ -103,6 +103,11 @@ class TrainConfig(BaseModel):
         "or CPUs with AVX512-BF16/AMX (on AVX2-only CPUs bf16 matmuls measured ~70x slower). auto: bf16 where the "
         "machine starting the run has fast bf16, fp32 elsewhere (decided at run start, the reason logged).",
     )
+    freeze_vision_tower: bool = Field(
+        False,
+        description="Vision-language policies: keep the vision tower (and its patch merger / projector) fixed, "
+        "training the language model only; its weights are still pushed to the engines. Ignored for text models.",
+    )
     batch_layout: Literal["padded", "packed"] = Field(
         "padded",
         description="Layout of the trainer's forward passes. padded: right-padded rows [B, L]. packed: the rows' "

@@ -90,7 +90,9 @@ def pad_shard(batch: TrainBatch, rows: range, *, num_rows: int) -> TrainBatch:
     per_token = {
         f.name: torch.where(real, value, torch.zeros((), dtype=value.dtype))
         for f in dataclasses.fields(shard)
-        if (value := getattr(shard, f.name)) is not None and value.dim() == 2 and f.name not in _TOKEN_LAYOUT_FIELDS
+        if isinstance(value := getattr(shard, f.name), Tensor)
+        and value.dim() == 2
+        and f.name not in _TOKEN_LAYOUT_FIELDS
     }
     return shard.replace(**per_token)
 

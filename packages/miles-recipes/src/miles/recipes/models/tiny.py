@@ -8,6 +8,12 @@ tokenizers are not), so the vocabulary (49,152) dominates its ~1.6 M parameters 
 drawn from a fixed seed, routers with std 1 (HF initializes them near zero, where every token's experts would tie).
 A twin learns nothing useful; it shows the recipe's loop, conversions and routing replay run for that architecture.
 
+The vision-language twin (``qwen3-vl``, transformers' ``qwen3_vl``) adds a 2-block vision tower (16 px patches, 2 x 2
+merged into one token, DeepStack features from block 1) to a Qwen3 text model, SmolLM2's tokenizer with Qwen-VL's
+vision tokens added (``<|vision_start|>``, ``<|image_pad|>``, ...), a ChatML chat template that renders an image part
+as ``<|vision_start|><|image_pad|><|vision_end|>`` (as Qwen3-VL's does), and Qwen-VL's image processor sized for
+small pictures (32 x 32 to 64 x 64 pixels: a 64 px image becomes 4 tokens).
+
 Each twin is built once into the model cache (``default_cache_dir()/tiny-<family>-v1``) and published by an atomic
 rename; ``miles train --recipe NAME --tiny`` (the recipe's ``tiny`` section) and ``--models.policy.path
 tiny-<family>`` use them.
@@ -50,8 +56,46 @@ class TinyFamily:
     twin_of: str
 
 
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=_COMMON["hidden_size"],
+    num_position_embeddings=64,
+    deepstack_visual_indexes=[1],
+)
+_IMAGE_PROCESSOR = dict(patch_size=16, merge_size=2, temporal_patch_size=2,
+                        size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})  # fmt: skip
+# ChatML as SmolLM2's, with Qwen-VL's rendering of image parts (no default system prompt, as Qwen's).
+VLM_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
 FAMILIES: dict[str, TinyFamily] = {
     "qwen3": TinyFamily("qwen3", dict(num_key_value_heads=2, head_dim=8), "Qwen3 dense (Qwen/Qwen3-0.6B ... 32B)"),
+    "qwen3-vl": TinyFamily(
+        "qwen3_vl",
+        dict(
+            num_key_value_heads=2,
+            head_dim=8,
+            rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1], mrope_interleaved=True),
+        ),
+        "Qwen3-VL (Qwen/Qwen3-VL-2B-Instruct ... 235B-A22B; transformers qwen3_vl)",
+    ),  # fmt: skip
     "qwen3-moe": TinyFamily(
         "qwen3_moe",
         dict(num_key_value_heads=2, head_dim=8, num_experts=8, norm_topk_prob=True, mlp_only_layers=[0], **_MOE),
@@ -94,6 +138,20 @@ def tiny_config(family: str, tokenizer: Any) -> Any:
     if family not in FAMILIES:
         raise ValueError(f"no tiny twin of family {family!r}; families: {sorted(FAMILIES)}")
     spec = FAMILIES[family]
+    if spec.model_type == "qwen3_vl":
+        ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
+        text = dict(**_COMMON, **spec.config, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        return AutoConfig.for_model(
+            spec.model_type,
+            text_config=text,
+            vision_config=_VISION,
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=True,
+        )
     return AutoConfig.for_model(
         spec.model_type,
         **_COMMON,
@@ -106,19 +164,30 @@ def tiny_config(family: str, tokenizer: Any) -> Any:
 
 
 def build_tiny(family: str, path: Path) -> Path:
-    """Write ``family``'s twin (fp32 safetensors, config, SmolLM2's tokenizer and chat template) into ``path``."""
+    """Write ``family``'s twin (fp32 safetensors, config, SmolLM2's tokenizer and chat template; for the VLM twin
+    the vision tokens, its chat template and image processor too) into ``path``."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from miles.core.multimodal import auto_model_class
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
+    vision = FAMILIES[family].model_type == "qwen3_vl"
+    if vision:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+        tokenizer.chat_template = VLM_CHAT_TEMPLATE
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, tokenizer), dtype=torch.float32)
+    config = tiny_config(family, tokenizer)
+    model = auto_model_class(config).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):  # routers: far enough from 0 that tokens pick distinct experts
                 param.normal_(0.0, 1.0)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    if vision:
+        from transformers import Qwen2VLImageProcessorPil
+
+        Qwen2VLImageProcessorPil(**_IMAGE_PROCESSOR).save_pretrained(path)
     return path
 
 

@@ -30,6 +30,13 @@ import numpy as np
 import torch
 from miles.core.config import SamplingConfig
 from miles.core.log_probs import model_response_log_probs, warn_if_slow_bf16
+from miles.core.multimodal import (
+    MultimodalInputs,
+    is_multimodal_config,
+    load_policy_model,
+    multimodal_forward_kwargs,
+    validate_multimodal,
+)
 from miles.core.protocols import FinishReason, GenerateOutput, GenerateRequest, PauseMode
 from miles.core.routing_replay import NOT_RECORDED, RoutingRecorder, merge_routing, pad_routing, routing_layout
 from miles.rollout.engines import adapters, decode
@@ -181,7 +188,6 @@ class EmbeddedEngine:
         routed_experts: bool = False,
     ) -> None:
         from miles.core.precision import resolve_dtype
-        from transformers import AutoModelForCausalLM
 
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"engine dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
@@ -191,7 +197,7 @@ class EmbeddedEngine:
         if max_batch_size < 1:
             raise ValueError(f"engine max_batch_size is {max_batch_size}; it must be >= 1")
         warn_if_slow_bf16(DTYPES[dtype], logger, where="engine.dtype")
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).eval()
+        self.model = load_policy_model(model_path, dtype=DTYPES[dtype]).eval()
         self.model.requires_grad_(False)
         if stop_token_ids is None:
             eos = self.model.generation_config.eos_token_id
@@ -225,7 +231,9 @@ class EmbeddedEngine:
                 f"engine.routed_experts is true but the model at {model_path} has no MoE router to record; "
                 "drop --engine.routed-experts for a dense model"
             )
-        self.continuous = continuous and decode.supports(self.model) and self.routing is None
+        self.multimodal = is_multimodal_config(self.model.config)  # takes image prompts
+        # The continuous loop runs text-only Llama-family models; a VLM's prefill needs its images (HF generate).
+        self.continuous = continuous and not self.multimodal and decode.supports(self.model) and self.routing is None
         self._cache: decode.SlotKVCache | None = None  # the continuous loop's, while its worker runs
         # Requests started together (a model.generate call; with continuous batching, a prefill wave), newest last,
         # and with continuous batching the rows of each decode step.
@@ -242,11 +250,18 @@ class EmbeddedEngine:
 
         Requests submitted in the same event-loop turn (``asyncio.gather``) are queued together, so they share
         batches.
-        Raises: ValueError for an empty prompt; WeightsReleasedError while the weights are released; the error of a
-            failed batch.
+        Raises: ValueError for an empty prompt, or images for a text-only model or in a malformed layout;
+            WeightsReleasedError while the weights are released; the error of a failed batch.
         """
         if not request.prompt_tokens:
             raise ValueError("a generate request has an empty prompt; every request needs at least one token")
+        if request.multimodal_inputs is not None:
+            if not self.multimodal:
+                raise ValueError(
+                    f"a generate request carries images but the engine's model ({type(self.model).__name__}) is "
+                    "text-only; use a vision-language policy model"
+                )
+            validate_multimodal(request.multimodal_inputs, where="GenerateRequest.multimodal_inputs")
         with self._state:
             if self._released is not None:
                 raise WeightsReleasedError(
@@ -528,6 +543,7 @@ class EmbeddedEngine:
                 batch[0].sampling,
                 [job.generator for job in batch],
                 row_abort=self._row_abort,
+                multimodal=[job.request.multimodal_inputs for job in batch],
             )
         self.batch_sizes.append(len(batch))
         with self._state:
@@ -731,8 +747,10 @@ class EmbeddedEngine:
         generators: list[torch.Generator],
         *,
         row_abort: RowAbort | None = None,
+        multimodal: Sequence[MultimodalInputs | None] | None = None,
     ) -> list[tuple[list[int], list[float], FinishReason, np.ndarray | None]]:
-        """One ``model.generate`` over left-padded prompts; row b samples with ``generators[b]``.
+        """One ``model.generate`` over left-padded prompts; row b samples with ``generators[b]`` (and a
+        vision-language model sees ``multimodal[b]``, the images whose placeholders are in ``prompts[b]``).
 
         Decoding stops early, for every row, once ``_interrupt`` is set, and for a single row once ``row_abort``
         flags it. Returns per row (response tokens, log-probs, finish reason, routing): "stop" (stop token kept),
@@ -750,6 +768,8 @@ class EmbeddedEngine:
         for b, prompt in enumerate(prompts):
             input_ids[b, max_len - len(prompt) :] = torch.tensor(prompt)
             attention_mask[b, max_len - len(prompt) :] = 1
+        input_ids = input_ids.to(self.model.device)
+        images = multimodal_forward_kwargs(self.model, input_ids, multimodal)  # {} for text-only rows
         # Greedy search over RowSampler's one-hot scores: HF's argmax picks exactly the token RowSampler drew, and
         # HF's own warpers and multinomial (which would use the global RNG) never run.
         config = GenerationConfig(
@@ -768,11 +788,12 @@ class EmbeddedEngine:
         recorder = RoutingRecorder(self.routing) if self.routing is not None and self.logprob_mode == "decode" else None
         with recorder or contextlib.nullcontext():
             out = self.model.generate(
-                input_ids=input_ids.to(self.model.device),
+                input_ids=input_ids,
                 attention_mask=attention_mask.to(self.model.device),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([RowSampler(sampling, generators)]),
                 stopping_criteria=StoppingCriteriaList(criteria),
+                **images,
             )
         decode_calls = recorder.take() if recorder is not None else []
         new_tokens = out.sequences[:, max_len:].cpu()  # [B, S]
@@ -789,7 +810,7 @@ class EmbeddedEngine:
                 routed = _decode_routing(decode_calls, prompts, lengths, max_len)
         else:
             with RoutingRecorder(self.routing) if self.routing is not None else contextlib.nullcontext() as rescoring:
-                log_probs = self.score(prompts, responses, temperature=sampling.temperature)
+                log_probs = self.score(prompts, responses, temperature=sampling.temperature, multimodal=multimodal)
             if rescoring is not None:
                 routed = _score_routing(rescoring.take(), prompts, responses)
         results: list[tuple[list[int], list[float], FinishReason, np.ndarray | None]] = []
@@ -802,8 +823,16 @@ class EmbeddedEngine:
         return results
 
     @torch.no_grad()
-    def score(self, prompts: list[list[int]], responses: list[list[int]], *, temperature: float) -> Tensor:
-        """Log-probs of ``responses`` given ``prompts``: one right-padded forward pass, the trainer's layout.
+    def score(
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        *,
+        temperature: float,
+        multimodal: Sequence[MultimodalInputs | None] | None = None,
+    ) -> Tensor:
+        """Log-probs of ``responses`` given ``prompts`` (and each row's images, for a vision-language model): one
+        right-padded forward pass, the trainer's layout.
 
         Returns: [B, S] float32 nats on the CPU, S = longest response; zeros past each response.
         """
@@ -822,6 +851,7 @@ class EmbeddedEngine:
             torch.tensor([len(p) for p in prompts], device=device),
             num_response_columns=width,
             temperature=temperature,
+            multimodal=multimodal,
         )
         lengths = torch.tensor([len(r) for r in responses])
         return log_probs.float().cpu() * (torch.arange(width)[None, :] < lengths[:, None])

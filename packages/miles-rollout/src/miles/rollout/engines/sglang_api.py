@@ -63,7 +63,14 @@ def generate_payload(
 ) -> dict[str, Any]:
     """The ``/generate`` body for ``request``: token ids in, log-probs requested, ``rid`` = ``request_id``; with
     ``return_routed_experts`` the MoE experts each token was routed to (routing replay, R3); with ``lora_path`` the
-    name of the loaded LoRA adapter to apply (SGLang's field takes a loaded adapter's name)."""
+    name of the loaded LoRA adapter to apply (SGLang's field takes a loaded adapter's name).
+
+    Raises: ValueError for a request with images (``image_data`` is not sent yet)."""
+    if request.multimodal_inputs is not None:
+        raise ValueError(
+            "the SGLang engine client does not send image prompts yet; run vision-language models on the embedded "
+            "engine (--engine.type embedded)"
+        )
     sampling = request.sampling
     params: dict[str, Any] = {
         "temperature": sampling.temperature,

@@ -274,7 +274,14 @@ class VLLMEngine:
         return self.adapter if self.adapter is not None and self._version >= 1 else self.model
 
     def request_body(self, request: GenerateRequest) -> dict[str, Any]:
-        """The ``/v1/completions`` body of one request (token ids in and out, the sampled token's log-prob)."""
+        """The ``/v1/completions`` body of one request (token ids in and out, the sampled token's log-prob).
+
+        Raises: ValueError for a request with images (not sent to vLLM servers yet)."""
+        if request.multimodal_inputs is not None:
+            raise ValueError(
+                "the vLLM engine does not take image prompts yet; run vision-language models on the embedded "
+                "engine (--engine.type embedded)"
+            )
         sampling = request.sampling
         body: dict[str, Any] = {
             "model": self.served_model,

@@ -93,9 +93,9 @@ class FSDP2Backend:
         critic_lr: float = 1e-5,
         weight_sink: WeightSink | None = None,
     ) -> None:
+        from miles.core.multimodal import load_policy_model
         from miles.train.fsdp2.parallelize import parallelize
         from torch.distributed.device_mesh import init_device_mesh
-        from transformers import AutoModelForCausalLM
 
         ensure_process_group()
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
@@ -104,9 +104,11 @@ class FSDP2Backend:
         self.model_path = Path(model_path)
         self.weight_sink = weight_sink
         warn_if_slow_bf16(torch_dtype(train.dtype), logger, where="train.dtype")
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = load_policy_model(model_path, dtype=torch.float32)
         model.config.use_cache = False
         _packed_attention(model, train.batch_layout)
+        if train.freeze_vision_tower and (tower := vision_tower(model)) is not None:
+            tower.requires_grad_(False)  # before LoRA and the optimizer: neither sees its parameters
         if train.lora is not None:
             apply_lora(model, train.lora)
         mesh = init_device_mesh("cpu", (self.world_size,))
@@ -127,14 +129,12 @@ class FSDP2Backend:
             and (Path(reference_path).resolve() == self.model_path.resolve())
         )
         if reference_path is not None and not self.ref_is_base:  # frozen, unsharded, no grad; same vocabulary
-            self.ref_model = AutoModelForCausalLM.from_pretrained(reference_path, dtype=torch_dtype(train.dtype)).eval()
+            self.ref_model = load_policy_model(reference_path, dtype=torch_dtype(train.dtype)).eval()
             self.ref_model.requires_grad_(False)
             _packed_attention(self.ref_model, train.batch_layout)
         self.teacher_model = None
         if teacher_path is not None:  # frozen, unsharded, no grad; same vocabulary as the policy
-            self.teacher_model = AutoModelForCausalLM.from_pretrained(
-                teacher_path, dtype=torch_dtype(train.dtype)
-            ).eval()
+            self.teacher_model = load_policy_model(teacher_path, dtype=torch_dtype(train.dtype)).eval()
             self.teacher_model.requires_grad_(False)
             _packed_attention(self.teacher_model, train.batch_layout)
         self.critic = None
@@ -181,6 +181,7 @@ class FSDP2Backend:
                 num_response_columns=mb.loss_mask.shape[1],
                 temperature=self.temperature if temperature is None else temperature,
                 with_entropy=with_entropy,
+                multimodal=mb.multimodal_inputs,
             )
 
     def _replays(self, model: torch.nn.Module) -> bool:
@@ -445,6 +446,16 @@ class FSDP2Backend:
                 )
             self.critic.step = trainer_state["step"]
         self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision tower of an HF vision-language model (Qwen-VL's ``model.visual``, with its patch merger; LLaVA /
+    SmolVLM's ``vision_tower`` / ``vision_model``), None for a text model."""
+    inner = getattr(model, "model", model)
+    for name in ("visual", "vision_tower", "vision_model"):
+        if isinstance(tower := getattr(inner, name, None), torch.nn.Module):
+            return tower
+    return None
 
 
 def _packed_attention(model: torch.nn.Module, batch_layout: str) -> None:

@@ -1,0 +1,137 @@
+"""Multimodal model inputs (images) carried beside token ids, and the forward kwargs that feed them to a VLM.
+
+A sample's image inputs are what the policy's processor produced once at rollout (``miles.rollout.multimodal``),
+token-in-token-out: the engine and the trainer run the model on exactly these tensors and the sample's token ids,
+never re-processing the images. The layout is the Qwen-VL family's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers
+``qwen2_vl`` / ``qwen2_5_vl`` / ``qwen3_vl``):
+
+- ``pixel_values``: [P, D] float32, the flattened patches of every image of the sample in prompt order
+  (P = sum over images of t * h * w; D = channels * temporal_patch_size * patch_size**2);
+- ``image_grid_thw``: [I, 3] int64, each image's (t, h, w) patch grid.
+
+Image ``i`` fills ``prod(image_grid_thw[i]) // spatial_merge_size**2`` consecutive placeholder tokens
+(``config.image_token_id``) of the prompt. Several rows' inputs concatenate along dim 0 in row order, which is the
+order the model scatters image features into the placeholder tokens of a batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+MultimodalInputs = dict[str, Tensor]
+KEYS = ("pixel_values", "image_grid_thw")
+
+
+def is_multimodal_config(config: Any) -> bool:
+    """Whether an HF config is a vision-language model's (it has a ``vision_config``)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def auto_model_class(config: Any) -> Any:
+    """The transformers auto class that loads a policy of this config: ``AutoModelForImageTextToText`` for a
+    vision-language model (its causal-LM head over text and images), else ``AutoModelForCausalLM``."""
+    import transformers
+
+    if is_multimodal_config(config):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
+def load_policy_model(path: Any, **kwargs: Any) -> torch.nn.Module:
+    """``from_pretrained`` of the HF model at ``path`` through ``auto_model_class`` (text or vision-language).
+
+    Raises: what transformers raises for a directory without a model.
+    """
+    from transformers import AutoConfig
+
+    return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs)
+
+
+def validate_multimodal(inputs: MultimodalInputs, *, where: str = "multimodal_inputs") -> None:
+    """Check one sample's inputs: both keys, ``pixel_values`` [P, D] float, ``image_grid_thw`` [I, 3] integer with
+    sum of t * h * w == P.
+
+    Raises: ValueError naming ``where`` and what is wrong.
+    """
+    missing = [key for key in KEYS if key not in inputs]
+    if missing or set(inputs) - set(KEYS):
+        raise ValueError(f"{where} must hold exactly {list(KEYS)}, got {sorted(inputs)}")
+    pixels, grid = inputs["pixel_values"], inputs["image_grid_thw"]
+    if pixels.dim() != 2 or not pixels.is_floating_point():
+        raise ValueError(
+            f"{where}: pixel_values must be a [patches, dim] float tensor, got {tuple(pixels.shape)} {pixels.dtype}"
+        )
+    if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point():
+        raise ValueError(f"{where}: image_grid_thw must be an [images, 3] integer tensor, got {tuple(grid.shape)}")
+    if int(grid.prod(dim=1).sum()) != pixels.shape[0]:
+        raise ValueError(
+            f"{where}: image_grid_thw covers {int(grid.prod(dim=1).sum())} patches but pixel_values has "
+            f"{pixels.shape[0]}; they must come from one processor call"
+        )
+
+
+def concat_multimodal(rows: Sequence[MultimodalInputs | None]) -> MultimodalInputs | None:
+    """The inputs of several rows as one batch's: each key concatenated along dim 0 in row order, rows without
+    images skipped. None when no row has images."""
+    present = [row for row in rows if row is not None]
+    if not present:
+        return None
+    return {key: torch.cat([row[key] for row in present]) for key in KEYS}
+
+
+def num_image_tokens(inputs: MultimodalInputs, merge_size: int) -> list[int]:
+    """Placeholder tokens of each image: t * h * w // merge_size**2 (the vision tower merges merge_size x
+    merge_size patches into one token)."""
+    return [int(n) // merge_size**2 for n in inputs["image_grid_thw"].prod(dim=1)]
+
+
+def multimodal_forward_kwargs(
+    model: torch.nn.Module, input_ids: Tensor, rows: Sequence[MultimodalInputs | None] | None
+) -> dict[str, Tensor]:
+    """The extra keyword arguments of a VLM forward (or ``generate``) over ``input_ids`` whose rows carry ``rows``.
+
+    Args:
+        model: the HF vision-language model (its ``config.image_token_id`` and vision ``spatial_merge_size``).
+        input_ids: [B, L] int64 token ids, any padding.
+        rows: per row, its inputs or None (a text-only row); None or all-None for a text-only batch.
+    Returns: {} for a text-only batch; else ``pixel_values`` (on ``input_ids``' device),
+        ``image_grid_thw``, and ``mm_token_type_ids`` [B, L] int32 (1 at image placeholders) where the model's
+        forward takes it (Qwen3-VL computes its multimodal RoPE positions from it).
+    Raises: ValueError when the placeholder tokens of a row do not match its images (a prompt rendered by one
+        processor, images processed by another), or when a model without vision takes images.
+    """
+    if rows is None or all(row is None for row in rows):
+        return {}
+    config = model.config
+    if not is_multimodal_config(config):
+        raise ValueError(f"samples carry images but the model ({type(model).__name__}) has no vision tower")
+    merge = getattr(config.vision_config, "spatial_merge_size", 1)
+    is_image = input_ids == config.image_token_id  # [B, L]
+    for b, row in enumerate(rows):
+        expected = 0 if row is None else sum(num_image_tokens(row, merge))
+        found = int(is_image[b].sum())
+        if found != expected:
+            raise ValueError(
+                f"row {b} has {found} image placeholder tokens but its images fill {expected}: prompt tokens and "
+                "pixel inputs must come from the same processor call (miles.rollout.multimodal)"
+            )
+    inputs = concat_multimodal(rows)
+    device = input_ids.device
+    kwargs = {
+        "pixel_values": inputs["pixel_values"].to(device),  # the vision tower casts them to its own dtype
+        "image_grid_thw": inputs["image_grid_thw"].to(device=device, dtype=torch.int64),
+    }
+    if _takes_mm_token_type_ids(type(model)):
+        kwargs["mm_token_type_ids"] = is_image.to(torch.int32)
+    return kwargs
+
+
+@functools.cache
+def _takes_mm_token_type_ids(model_class: type) -> bool:
+    return "mm_token_type_ids" in inspect.signature(model_class.forward).parameters

@@ -1,0 +1,186 @@
+"""Rendering image prompts for vision-language policies: the model's own image processor runs once, at rollout.
+
+A multimodal prompt is chat messages whose content parts include ``{"type": "image"}``; the images travel beside
+them in the sample's ``metadata["images"]`` (one per image part, in order: base64 PNG/JPEG text, raw bytes, or a
+local file path). ``VisionProcessor.render`` applies the chat template, runs the image processor, expands each
+image's placeholder token to the number of tokens its patches merge into, and tokenizes, giving the prompt's token
+ids and its ``multimodal_inputs`` (``miles.core.multimodal``). The engine and the trainer then use exactly these
+tensors, so the two sides never process an image differently.
+
+This is what transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors do for images, written out because their
+processor classes also build a video processor, which needs torchvision (not installable beside the CPU torch
+build). The image processor itself is the model's (``AutoImageProcessor``, the PIL backend without torchvision).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from miles.core.multimodal import MultimodalInputs, is_multimodal_config
+from miles.core.sample import Sample
+
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+class VisionProcessor:
+    """A vision-language model's tokenizer and image processor; behaves as the tokenizer everywhere else.
+
+    Everything but ``render`` / ``render_sample`` is the tokenizer's (``decode``, ``apply_chat_template``,
+    ``eos_token_id``, ...), so code written for a text policy's tokenizer takes it unchanged.
+
+    Args:
+        tokenizer: the model's HF tokenizer; its chat template renders an image part as the image placeholder.
+        image_processor: the model's HF image processor (Qwen-VL layout: ``pixel_values`` [P, D],
+            ``image_grid_thw`` [I, 3]).
+        image_token: the placeholder token (``config.image_token_id``'s), repeated once per merged patch.
+        merge_size: patches merged per side into one token (``vision_config.spatial_merge_size``).
+    """
+
+    def __init__(self, tokenizer: Any, image_processor: Any, *, image_token: str, merge_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.image_token = image_token
+        self.merge_size = merge_size
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> VisionProcessor:
+        """The processor of the VLM at ``path``: its tokenizer, image processor and chat template (the tokenizer's,
+        else ``chat_template.jinja`` / ``chat_template.json`` beside it, where Qwen-VL models keep it).
+
+        Raises: ValueError when the model is not a vision-language model or has no chat template.
+        """
+        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+        config = AutoConfig.from_pretrained(path)
+        if not is_multimodal_config(config):
+            raise ValueError(f"the model at {path} has no vision tower (no vision_config); it takes text prompts only")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if not tokenizer.chat_template:
+            tokenizer.chat_template = _read_chat_template(Path(path))
+        if not tokenizer.chat_template:
+            raise ValueError(f"the model at {path} has no chat template; a multimodal prompt needs one")
+        image_processor = AutoImageProcessor.from_pretrained(path)
+        return cls(
+            tokenizer,
+            image_processor,
+            image_token=tokenizer.convert_ids_to_tokens(config.image_token_id),
+            merge_size=getattr(config.vision_config, "spatial_merge_size", 1),
+        )
+
+    def __getattr__(self, name: str) -> Any:  # only called for names this class does not define
+        if name == "tokenizer":  # not set yet (unpickling): avoid recursing
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+    def render(
+        self, messages: list[dict[str, Any]], images: Sequence[Any]
+    ) -> tuple[list[int], MultimodalInputs | None]:
+        """Prompt token ids (chat template, generation prompt appended) and image inputs of ``messages``.
+
+        Args:
+            messages: chat messages; a message's content is text or a list of parts, an image part being
+                ``{"type": "image"}`` (or ``"image_url"``).
+            images: one PIL image per image part, in order.
+        Returns: (token ids, ``{"pixel_values": [P, D] float32, "image_grid_thw": [I, 3] int64}`` or None without
+            images).
+        Raises: ValueError when the number of image parts and images differ.
+        """
+        import torch
+
+        num_parts = count_image_parts(messages)
+        if num_parts != len(images):
+            raise ValueError(
+                f"the prompt has {num_parts} image parts but {len(images)} images; give one image per "
+                "{'type': 'image'} part in metadata['images']"
+            )
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if text.count(self.image_token) != num_parts:
+            raise ValueError(
+                f"the chat template rendered {text.count(self.image_token)} image placeholders "
+                f"({self.image_token!r}) for {num_parts} image parts; the model's template must render each image part"
+            )
+        inputs = None
+        if images:
+            processed = self.image_processor(images=list(images), return_tensors="pt")
+            inputs = {
+                "pixel_values": processed["pixel_values"].to(torch.float32),
+                "image_grid_thw": processed["image_grid_thw"].to(torch.int64),
+            }
+            pieces = text.split(self.image_token)
+            counts = [int(n) // self.merge_size**2 for n in inputs["image_grid_thw"].prod(dim=1)]
+            text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"], inputs
+
+    def render_sample(self, sample: Sample) -> tuple[list[int], MultimodalInputs | None]:
+        """``render`` of a sample's chat prompt with the images of its ``metadata["images"]``.
+
+        Raises: ValueError for a prompt that is not chat messages while it has images, or an unreadable image.
+        """
+        entries = sample.metadata.get("images") or []
+        if not isinstance(sample.prompt, list) or not all(isinstance(m, dict) for m in sample.prompt):
+            if entries:
+                raise ValueError("a sample with metadata['images'] needs a chat-message prompt with image parts")
+            return [], None
+        return self.render(sample.prompt, [load_image(entry) for entry in entries])
+
+
+def count_image_parts(messages: list[dict[str, Any]]) -> int:
+    """Number of image content parts over all messages."""
+    return sum(
+        1
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+    )
+
+
+def load_image(entry: Any) -> Any:
+    """An RGB PIL image from a ``metadata["images"]`` entry: a PIL image, raw bytes, base64 text, or a local path.
+
+    Raises: ValueError naming what could not be read.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(entry, Image.Image):
+        return entry.convert("RGB")
+    try:
+        if isinstance(entry, bytes | bytearray):
+            return Image.open(io.BytesIO(entry)).convert("RGB")
+        if isinstance(entry, str | Path):
+            text = str(entry)
+            if len(text) < 4096 and Path(text).is_file():
+                return Image.open(text).convert("RGB")
+            return Image.open(io.BytesIO(base64.b64decode(text, validate=True))).convert("RGB")
+    except (OSError, UnidentifiedImageError, binascii.Error) as err:
+        raise ValueError(f"metadata['images'] entry is not a readable image ({err})") from None
+    raise ValueError(f"metadata['images'] entry of type {type(entry).__name__}: give base64 text, bytes or a file path")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The policy's tokenizer: a ``VisionProcessor`` for a vision-language model, else ``AutoTokenizer``'s."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if is_multimodal_config(AutoConfig.from_pretrained(path)):
+        return VisionProcessor.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _read_chat_template(path: Path) -> str | None:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    if (path / "chat_template.json").is_file():
+        return json.loads((path / "chat_template.json").read_text()).get("chat_template")
+    return None

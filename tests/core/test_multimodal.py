@@ -1,0 +1,70 @@
+"""Image inputs beside token ids (``miles.core.multimodal``): checked once, carried per row through every batch
+operation (select, slice, micro-batches, rank shards), concatenated in row order for the forward."""
+
+import pytest
+import torch
+from miles.core.batch import build_train_batch, split_micro_batches
+from miles.core.multimodal import concat_multimodal, num_image_tokens, validate_multimodal
+from miles.core.sample import Sample
+
+
+def inputs(num_patches: int, fill: float) -> dict:
+    return {
+        "pixel_values": torch.full((num_patches, 6), fill),
+        "image_grid_thw": torch.tensor([[1, 2, num_patches // 2]]),
+    }
+
+
+def samples() -> list[Sample]:
+    rows = [inputs(4, 0.0), None, inputs(8, 2.0)]  # row 1 is text-only
+    return [
+        Sample(index=i, group_index=0, prompt="p", tokens=[5] * (3 + i) + [7, 8], response_length=2,
+               rollout_log_probs=[-1.0, -2.0], multimodal_inputs=m)
+        for i, m in enumerate(rows)
+    ]  # fmt: skip
+
+
+def test_malformed_inputs_are_named_in_one_line():
+    validate_multimodal(inputs(4, 1.0))
+    with pytest.raises(ValueError, match=r"must hold exactly \['pixel_values', 'image_grid_thw'\]"):
+        validate_multimodal({"pixel_values": torch.zeros(4, 6)})
+    with pytest.raises(ValueError, match="pixel_values must be a \\[patches, dim\\] float tensor, got \\(4,\\)"):
+        validate_multimodal({"pixel_values": torch.zeros(4), "image_grid_thw": torch.tensor([[1, 2, 2]])})
+    with pytest.raises(ValueError, match="image_grid_thw must be an \\[images, 3\\] integer tensor"):
+        validate_multimodal({"pixel_values": torch.zeros(4, 6), "image_grid_thw": torch.tensor([[1.0, 2.0, 2.0]])})
+    broken = samples()
+    broken[2].multimodal_inputs = {**inputs(8, 2.0), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    with pytest.raises(ValueError, match="sample 2: multimodal_inputs: image_grid_thw covers 4 patches but"):
+        build_train_batch(broken, torch.zeros(3), pad_token_id=0)
+
+
+def test_rows_concatenate_in_row_order_skipping_text_rows_and_count_merged_tokens():
+    merged = concat_multimodal([inputs(4, 0.0), None, inputs(8, 2.0)])
+    assert merged["pixel_values"][:, 0].tolist() == [0.0] * 4 + [2.0] * 8
+    assert merged["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 4]]
+    assert concat_multimodal([None, None]) is None
+    assert num_image_tokens(merged, merge_size=2) == [1, 2]  # 4 and 8 patches, 2 x 2 merged
+
+
+def test_every_batch_operation_keeps_each_rows_images_with_its_tokens():
+    batch = build_train_batch(samples(), torch.zeros(3), pad_token_id=0)
+    assert [m is None for m in batch.multimodal_inputs] == [False, True, False]
+    picked = batch.select(torch.tensor([2, 0, 0]))
+    assert [m["pixel_values"].shape[0] for m in picked.multimodal_inputs] == [8, 4, 4]
+    assert picked.prompt_lengths.tolist() == [5, 3, 3]
+    sliced = batch.slice(1, 3)
+    assert sliced.multimodal_inputs[0] is None and sliced.multimodal_inputs[1]["pixel_values"].shape[0] == 8
+    micro = split_micro_batches(batch, 2)
+    assert [len(mb.multimodal_inputs) for mb in micro] == [2, 1]
+    text_only = build_train_batch(samples()[1:2], torch.zeros(1), pad_token_id=0)
+    assert text_only.multimodal_inputs is None
+
+
+def test_a_padded_rank_shard_keeps_a_tuple_per_row():
+    from miles.train.ray_group import pad_shard
+
+    batch = build_train_batch(samples(), torch.ones(3), pad_token_id=0)
+    shard = pad_shard(batch, range(2, 3), num_rows=2)  # row 2, then a filler copy of the shortest row (0)
+    assert shard.multimodal_inputs[0]["pixel_values"].shape[0] == 8
+    assert shard.multimodal_inputs[1]["pixel_values"].shape[0] == 4
+    assert shard.loss_mask[1].sum() == 0  # the filler trains nothing

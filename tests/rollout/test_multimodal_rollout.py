@@ -1,0 +1,143 @@
+"""Image prompts through the rollout: the VLM's processor renders token ids and pixel inputs once
+(``miles.rollout.multimodal``), the embedded engine generates from exactly those, and nothing re-processes an image.
+All on the tiny random Qwen3-VL twin (``tiny_vlm_dir``)."""
+
+import asyncio
+import base64
+
+import pytest
+import torch
+from miles.core.config import SamplingConfig
+from miles.core.protocols import GenerateRequest
+from miles.core.sample import SampleStatus
+from miles.rollout.data.visual_tasks import VisualTaskSource, decode_images, encode_png
+from miles.rollout.engines import EmbeddedEngine
+from miles.rollout.generate import generate_group
+from miles.rollout.multimodal import VisionProcessor, load_image, load_tokenizer
+from PIL import Image
+
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_vlm_dir):
+    return load_tokenizer(tiny_vlm_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_vlm_dir):
+    return EmbeddedEngine(tiny_vlm_dir, dtype="fp32")
+
+
+def problems(n: int):
+    source = VisualTaskSource(size=8, seed=0)
+    return [source.sample_at(i, i) for i in range(n)]
+
+
+def test_render_expands_each_image_to_its_merged_patches_and_keeps_the_processors_pixels(processor):
+    assert isinstance(processor, VisionProcessor)
+    sample = problems(1)[0]
+    tokens, inputs = processor.render_sample(sample)
+    ids = {t: processor.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")}
+    # 64 x 64 px in 16 px patches: a 4 x 4 grid (t = 1, the frame doubled to temporal_patch_size 2); 2 x 2 merged
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]] and inputs["image_grid_thw"].dtype == torch.int64
+    assert inputs["pixel_values"].shape == (16, 3 * 2 * 16 * 16) and inputs["pixel_values"].dtype == torch.float32
+    start = tokens.index(ids["<|vision_start|>"])
+    assert tokens[start + 1 : start + 6] == [ids["<|image_pad|>"]] * 4 + [ids["<|vision_end|>"]]
+    assert tokens.count(ids["<|image_pad|>"]) == 4
+    assert processor.decode(tokens) == (
+        "<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>How many circles are in the "
+        "image? Answer with a single digit.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    expected = processor.image_processor(images=decode_images(sample), return_tensors="pt")["pixel_values"]
+    assert torch.equal(inputs["pixel_values"], expected.float())  # the model's own image processor, unchanged
+
+
+def test_images_that_do_not_match_the_prompt_or_cannot_be_read_are_refused(processor):
+    sample = problems(1)[0]
+    sample.metadata["images"] = sample.metadata["images"] * 2
+    with pytest.raises(ValueError, match="the prompt has 1 image parts but 2 images"):
+        processor.render_sample(sample)
+    with pytest.raises(ValueError, match="not a readable image"):
+        load_image(base64.b64encode(b"not an image").decode())
+    with pytest.raises(ValueError, match="of type int"):
+        load_image(3)
+
+
+def test_an_image_loads_from_base64_text_bytes_or_a_path(tmp_path):
+    image = Image.new("RGB", (8, 8), (10, 20, 30))
+    image.putpixel((3, 4), (200, 100, 0))
+    text = encode_png(image)
+    (tmp_path / "a.png").write_bytes(base64.b64decode(text))
+    for entry in (text, base64.b64decode(text), str(tmp_path / "a.png"), tmp_path / "a.png", image):
+        assert list(load_image(entry).getdata()) == list(image.getdata())
+
+
+def test_the_engine_batches_image_prompts_as_it_runs_them_alone(engine, processor):
+    rendered = [processor.render_sample(s) for s in problems(3)]
+    requests = [GenerateRequest(t, SAMPLING, seed=i, multimodal_inputs=m) for i, (t, m) in enumerate(rendered)]
+    together = engine.generate_batch(requests)
+    for request, out in zip(requests, together):
+        alone = engine.generate_batch([request])[0]
+        assert alone.response_tokens == out.response_tokens
+        assert max(abs(a - b) for a, b in zip(alone.log_probs, out.log_probs)) < 1e-5
+
+
+def test_decode_and_prefill_log_probs_agree_and_depend_on_the_image(tiny_vlm_dir, engine, processor):
+    rendered = [processor.render_sample(s) for s in problems(2)]
+    requests = [GenerateRequest(t, SAMPLING, seed=i, multimodal_inputs=m) for i, (t, m) in enumerate(rendered)]
+    prefill = engine.generate_batch(requests)
+    decode = EmbeddedEngine(tiny_vlm_dir, dtype="fp32", logprob_mode="decode").generate_batch(requests)
+    for p, d in zip(prefill, decode):
+        assert p.response_tokens == d.response_tokens
+        assert max(abs(a - b) for a, b in zip(p.log_probs, d.log_probs)) < 1e-5
+    # problem 1's picture under problem 0's prompt (both 16 patches): the same tokens score differently
+    tokens, own = rendered[0]
+    response = prefill[0].response_tokens
+    scored = [engine.score([tokens], [response], temperature=1.0, multimodal=[m]) for m in (own, rendered[1][1])]
+    assert torch.allclose(scored[0][0], torch.tensor(prefill[0].log_probs), atol=1e-6)
+    assert (scored[0] - scored[1]).abs().max() > 1e-3
+
+
+def test_placeholders_that_disagree_with_the_images_are_refused(engine, processor):
+    tokens, inputs = processor.render_sample(problems(1)[0])
+    image_id = processor.convert_tokens_to_ids("<|image_pad|>")
+    dropped = list(tokens)
+    dropped.remove(image_id)  # a prompt rendered for 3 merged patches, images processed into 4
+    with pytest.raises(ValueError, match="row 0 has 3 image placeholder tokens but its images fill 4"):
+        engine.generate_batch([GenerateRequest(dropped, SAMPLING, seed=0, multimodal_inputs=inputs)])
+    bad = {**inputs, "image_grid_thw": torch.tensor([[1, 2, 4]])}
+    with pytest.raises(ValueError, match="image_grid_thw covers 8 patches but pixel_values has 16"):
+        engine.generate_batch([GenerateRequest(tokens, SAMPLING, seed=0, multimodal_inputs=bad)])
+
+
+def test_text_only_engines_refuse_images_in_one_line(tiny_llama_dir, processor):
+    from miles.rollout.engines.sglang_api import generate_payload
+    from miles.rollout.engines.vllm import VLLMEngine
+
+    _, inputs = processor.render_sample(problems(1)[0])
+    request = GenerateRequest([1, 5], SAMPLING, seed=0, multimodal_inputs=inputs)
+    text_engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2])
+    with pytest.raises(ValueError, match=r"carries images but the engine's model \(LlamaForCausalLM\) is text-only"):
+        text_engine.generate_batch([request])
+    with pytest.raises(ValueError, match="SGLang engine client does not send image prompts yet"):
+        generate_payload(request, stop_token_ids=None)
+    with pytest.raises(ValueError, match="vLLM engine does not take image prompts yet"):
+        VLLMEngine.request_body(None, request)  # the check comes first: no server needed
+
+
+def test_a_group_renders_once_and_every_sample_carries_the_same_inputs(engine, processor):
+    prompt = problems(1)[0]
+    tokens, inputs = processor.render_sample(prompt)
+    samples = asyncio.run(generate_group(engine, processor, prompt, n=3, sampling=SAMPLING, seeds=[0, 1, 2]))
+    for sample in samples:
+        assert sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+        assert sample.tokens[: sample.prompt_length] == tokens and sample.response_length > 0
+        assert sample.multimodal_inputs is samples[0].multimodal_inputs  # one render for the group
+        assert torch.equal(sample.multimodal_inputs["pixel_values"], inputs["pixel_values"])
+        assert sample.response_text is not None
+    # the same prompt for a text-only policy (its plain tokenizer): the group fails, saying why
+    failed = asyncio.run(generate_group(engine, processor.tokenizer, prompt, n=2, sampling=SAMPLING, seeds=[0, 1]))
+    assert all(s.status == SampleStatus.FAILED for s in failed)
+    failure = failed[0].metadata["failure"]
+    assert "the prompt has images (metadata['images']) but the policy is a text-only model" in failure

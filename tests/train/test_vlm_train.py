@@ -1,0 +1,118 @@
+"""A vision-language policy in the FSDP2 trainer: log-probs recomputed from exactly the engine's inputs, image tokens
+outside the loss, every weight (vision tower included) pushed through miles-sync, the tower frozen by config. The
+tiny random Qwen3-VL twin; one regression test per fault class VLM RL frameworks are known for."""
+
+import pytest
+import torch
+from miles.core.algorithms.objective import PolicyObjective
+from miles.core.batch import build_train_batch
+from miles.core.buffer import generate_samples
+from miles.core.config import AlgorithmConfig, SamplingConfig
+from miles.core.loop import train_step
+from miles.rollout.data.visual_tasks import VisualTaskSource
+from miles.rollout.engines import EmbeddedEngine
+from miles.rollout.generate import ChatRollout
+from miles.rollout.multimodal import load_tokenizer
+from miles.sync import InProcessTransport, WeightSender
+from miles.train import FSDP2Backend, TrainConfig
+
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6)
+OBJECTIVE = PolicyObjective(AlgorithmConfig(), max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_vlm_dir):
+    """Engine, processor and a batch of 3 image prompts x 2 samples generated on it."""
+    engine = EmbeddedEngine(tiny_vlm_dir, dtype="fp32")
+    processor = load_tokenizer(tiny_vlm_dir)
+    source = VisualTaskSource(size=8, seed=0)
+    prompts = [source.sample_at(i, i) for i in range(3)]
+    samples = generate_samples(prompts, ChatRollout(engine, processor), n_samples_per_prompt=2, sampling=SAMPLING,
+                               seed=3)  # fmt: skip
+    advantages = torch.tensor([1.0, -1.0] * 3)  # a spread within each group, so the step moves every weight
+    batch = build_train_batch(samples, advantages, pad_token_id=processor.pad_token_id)
+    return engine, processor, batch
+
+
+def _backend(path, **train):
+    return FSDP2Backend(path, train=TrainConfig(dtype="fp32", micro_batch_size=4, lr=1e-3, **train), temperature=1.0)
+
+
+def _max_gap(a, b, mask):
+    return float(((a - b).abs() * mask).max())
+
+
+def test_the_trainer_recomputes_the_engines_log_probs_from_the_samples_images(tiny_vlm_dir, rollout):
+    _, _, batch = rollout
+    assert len(batch.multimodal_inputs) == batch.batch_size and all(m is not None for m in batch.multimodal_inputs)
+    backend = _backend(tiny_vlm_dir)
+    trainer = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    assert batch.loss_mask.sum() >= 12  # real response tokens compared
+    assert _max_gap(trainer, batch.rollout_log_probs, batch.loss_mask) < 1e-5
+    # Fault class: the two sides process images differently. Other pixels under the same tokens (what a trainer that
+    # re-ran a different processor, or lost the images, would see) give measurably different log-probs.
+    other = tuple(batch.multimodal_inputs[(b + 2) % batch.batch_size] for b in range(batch.batch_size))
+    forged = backend.forward(batch.replace(multimodal_inputs=other), outputs={"old_log_probs"}).old_log_probs
+    assert _max_gap(forged, batch.rollout_log_probs, batch.loss_mask) > 1e-3
+
+
+def test_image_placeholder_tokens_are_never_in_the_loss_mask(rollout):
+    """Fault class: image tokens counted into the loss. The loss mask covers response columns only; every image
+    placeholder sits in the prompt, and the trained columns hold none."""
+    _, processor, batch = rollout
+    image_id = processor.convert_tokens_to_ids("<|image_pad|>")
+    for b in range(batch.batch_size):
+        prompt_len, resp_len = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
+        row = batch.tokens[b]
+        assert int((row[:prompt_len] == image_id).sum()) == 4
+        response = row[prompt_len : prompt_len + resp_len]
+        assert not bool((response[batch.loss_mask[b, :resp_len]] == image_id).any())
+    assert batch.num_loss_tokens == int(batch.response_lengths.sum())  # exactly the response tokens
+
+
+def test_a_step_moves_the_vision_tower_and_the_push_brings_every_weight_to_the_engine(tiny_vlm_dir, rollout):
+    """Fault class: vision weights missing or stale after a push. After one step every engine tensor (vision tower,
+    merger, language model, tied embedding) equals the trainer's, and the engine's log-probs equal the trainer's."""
+    _, _, batch = rollout
+    backend = _backend(tiny_vlm_dir)
+    before = {k: v.clone() for k, v in backend.full_state_dict().items()}
+    train_step(backend, batch.replace(old_log_probs=batch.rollout_log_probs), OBJECTIVE)
+    after = backend.full_state_dict()
+    moved = {k for k in after if not torch.equal(after[k], before[k])}
+    assert any(k.startswith("model.visual.blocks.") for k in moved)
+    assert any(k.startswith("model.visual.merger.") for k in moved)
+    assert any(k.startswith("model.language_model.layers.") for k in moved)
+
+    engine = EmbeddedEngine(tiny_vlm_dir, dtype="fp32")  # a fresh one: the module's engine stays at version 0
+    WeightSender(InProcessTransport(engine.receiver)).push(backend.export_weights(), version=1)
+    assert engine.weight_version == 1
+    held = engine.model.state_dict()
+    assert sorted(held) == sorted(after)
+    assert all(torch.equal(held[k], after[k]) for k in after), [k for k in after if not torch.equal(held[k], after[k])]
+    ends = (batch.prompt_lengths + batch.response_lengths).tolist()
+    starts = batch.prompt_lengths.tolist()
+    prompts = [batch.tokens[b, : starts[b]].tolist() for b in range(batch.batch_size)]
+    responses = [batch.tokens[b, starts[b] : ends[b]].tolist() for b in range(batch.batch_size)]
+    engine_lp = engine.score(prompts, responses, temperature=1.0, multimodal=list(batch.multimodal_inputs))
+    trainer_lp = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    width = engine_lp.shape[1]
+    assert _max_gap(engine_lp, trainer_lp[:, :width], batch.loss_mask[:, :width]) < 1e-5
+
+
+def test_a_frozen_vision_tower_stays_as_loaded_while_the_language_model_trains(tiny_vlm_dir, rollout):
+    _, _, batch = rollout
+    backend = _backend(tiny_vlm_dir, freeze_vision_tower=True)
+    assert all(not p.requires_grad for n, p in backend.model.named_parameters() if n.startswith("model.visual."))
+    before = {k: v.clone() for k, v in backend.full_state_dict().items()}
+    train_step(backend, batch.replace(old_log_probs=batch.rollout_log_probs), OBJECTIVE)
+    after = backend.full_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in after if k.startswith("model.visual."))
+    assert any(not torch.equal(after[k], before[k]) for k in after if k.startswith("model.language_model."))
+    assert sum(1 for k, _ in backend.export_weights() if k.startswith("model.visual.")) > 0  # still pushed
+
+
+def test_the_packed_layout_refuses_images_in_one_line(tiny_vlm_dir, rollout):
+    _, _, batch = rollout
+    backend = _backend(tiny_vlm_dir, batch_layout="packed")
+    with pytest.raises(ValueError, match="batch_layout 'packed' does not take samples with images yet"):
+        backend.forward(batch, outputs={"old_log_probs"})
