@@ -90,7 +90,7 @@ def _nested(flat: dict) -> dict:
     multi_turn |= {"agent_path": ""}  # rollout.multi_turn.agent_path: added later, no agent
     tree["rollout"] = {**flat["rollout"], "max_resubmits": 2, "generate_path": "", "multi_turn": multi_turn}
     tree["rollout"] |= {"sample_hook_path": ""}
-    tree["data"] = {**flat["data"], "source_path": "", "mixture": []}  # data.mixture: added later, empty
+    tree["data"] = {**flat["data"], "source_path": "", "mixture": [], "image_key": ""}  # added later: off
     tree["eval"] = {**flat["eval"], "path": "", "pass_k": [1], "pass_threshold": 1.0, "sets": []}
     ray = {"address": None, "num_cpus": None, "log_to_driver": True, "namespace": None}
     ray |= {"trainer_cpus_per_rank": 1.0, "placement_strategy": "PACK", "colocate": False, "max_trainer_restarts": 0}

@@ -143,6 +143,7 @@ def build_data_sources(data: DataConfig, *, num_eval_prompts: int) -> tuple[Data
             path,
             prompt_key=data.prompt_key,
             label_key=data.label_key,
+            image_key=data.image_key,
             seed=seed,
             system_prompt=system_prompt,
             prompt_suffix=data.prompt_suffix,

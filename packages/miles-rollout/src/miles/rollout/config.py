@@ -44,6 +44,7 @@ class MixtureComponentConfig(_Section):
     )
     prompt_key: str = Field("question", description="Column holding the question text (source=file).")
     label_key: str = Field("answer", description="Column holding the reference answer (source=file).")
+    image_key: str = Field("", description="Column holding each row's images (source=file; see data.image_key).")
     system_prompt: str = Field("", description="System message; empty = the chat template's default.")
     prompt_suffix: str = Field("", description="Appended to every question of this dataset.")
 
@@ -59,6 +60,7 @@ MIXTURE_REPLACES = (
     "eval_path",
     "prompt_key",
     "label_key",
+    "image_key",
     "system_prompt",
     "prompt_suffix",
 )
@@ -101,6 +103,13 @@ class DataConfig(_Section):
     )
     prompt_key: str = Field("question", description="Column holding the question text (source=file).")
     label_key: str = Field("answer", description="Column holding the reference answer (source=file).")
+    image_key: str = Field(
+        "",
+        description="Column holding each row's images for a vision-language policy (source=file), e.g. 'images': a "
+        "list (or one) of image file paths (relative to the data file's directory), base64 text, raw bytes, or "
+        "datasets' {bytes, path} records. A text question gets one image part per image, at its '<image>' markers "
+        "if it has as many, else before the text. Empty = text-only rows.",
+    )
     system_prompt: str = Field("", description="System message; empty = the chat template's default.")
     prompt_suffix: str = Field("", description="Appended to every question, e.g. ' Reply with only the final number.'")
     max_prompt_tokens: int = Field(1024, ge=1, description="Longer prompts are skipped and counted as failed.")
