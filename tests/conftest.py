@@ -97,6 +97,14 @@ def tiny_vlm_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_vl_dir() -> Path:
+    """SmolLM2-VL: SmolLM2-135M-Instruct under a random vision tower (Qwen2-VL), built once into the user cache."""
+    from miles.recipes.models.smollm2_vl import ensure_smollm2_vl
+
+    return ensure_smollm2_vl()
+
+
+@pytest.fixture(scope="session")
 def gsm8k_test_file() -> Path:
     path = SHARED / "data" / "gsm8k" / "test.jsonl"
     if not path.is_file():

@@ -46,14 +46,21 @@ def test_the_vlm_recipe_runs_two_grpo_steps_with_images_and_engine_and_trainer_a
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["grad_norm"] > 0 and r["samples/failed"] == 0 for r in rows), rows
     assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-5, rows
+    # the checkpoint's model directory holds the whole processor: training or evaluation can start from it
+    from miles.rollout.multimodal import VisionProcessor, load_tokenizer
+
+    processor = load_tokenizer(tmp_path / "vlm" / "checkpoints" / "step_2" / "model")
+    assert isinstance(processor, VisionProcessor) and processor.merge_size == 2
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (["--train.batch-layout", "packed"], "samples with images need --train.batch-layout padded"),
+        (["--train.batch-layout", "packed"], "train.batch_layout packed is not supported with images yet"),
         (["--engine.type", "vllm"], "image prompts run on the embedded engine only for now; set --engine.type"),
         (["--train.backend", "megatron"], "model type 'qwen3_vl' has no Megatron conversion yet"),
+        (["--train.lora", "on"], "train.lora is not supported with images yet"),
+        (["--rollout.mode", "multi_turn"], "rollout.mode multi_turn does not carry images yet; use generate"),
     ],
 )
 def test_what_vlms_do_not_run_on_yet_is_refused_before_any_model_loads(tmp_path, capsys, override, message):

@@ -140,4 +140,22 @@ def test_a_group_renders_once_and_every_sample_carries_the_same_inputs(engine, p
     failed = asyncio.run(generate_group(engine, processor.tokenizer, prompt, n=2, sampling=SAMPLING, seeds=[0, 1]))
     assert all(s.status == SampleStatus.FAILED for s in failed)
     failure = failed[0].metadata["failure"]
-    assert "the prompt has images (metadata['images']) but the policy is a text-only model" in failure
+    assert "the prompt has images (metadata['images']) but the policy's tokenizer is not a vision-language" in failure
+
+
+def test_vision_tokens_are_never_sampled_and_placeholders_without_images_are_refused(engine, processor):
+    """A response holding an image placeholder would not match its images (the trainer would refuse the row), so the
+    engine never samples the vision tokens; a prompt rendered with placeholders but without its images is refused."""
+    from miles.rollout.engines.embedded import RowSampler
+
+    ids = [processor.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")]
+    assert set(ids) <= set(engine.vision_token_ids) and len(engine.vision_token_ids) == 4
+    logits = torch.zeros(2, len(processor))
+    logits[:, ids] = 50.0  # nearly all the mass on the vision tokens
+    sampler = RowSampler(SAMPLING, [torch.Generator().manual_seed(s) for s in (0, 1)], banned=engine.vision_token_ids)
+    for _ in range(20):
+        chosen = sampler(torch.zeros(2, 1, dtype=torch.int64), logits).argmax(dim=-1)
+        assert not set(chosen.tolist()) & set(engine.vision_token_ids)
+    tokens, _ = processor.render_sample(problems(1)[0])
+    with pytest.raises(ValueError, match="row 0 has image placeholder tokens but no images"):
+        engine.score([tokens], [[5, 6]], temperature=1.0)

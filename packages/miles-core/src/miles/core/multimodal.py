@@ -53,6 +53,17 @@ def load_policy_model(path: Any, **kwargs: Any) -> torch.nn.Module:
     return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs)
 
 
+VISION_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def vision_token_ids(config: Any) -> list[int]:
+    """A vision-language config's placeholder and marker token ids (image, video, vision start / end): tokens the
+    processor writes into prompts and a response must never hold. [] for a text model."""
+    if not is_multimodal_config(config):
+        return []
+    return sorted({tid for f in VISION_TOKEN_FIELDS if isinstance(tid := getattr(config, f, None), int)})
+
+
 def validate_multimodal(inputs: MultimodalInputs, *, where: str = "multimodal_inputs") -> None:
     """Check one sample's inputs: both keys, ``pixel_values`` [P, D] float, ``image_grid_thw`` [I, 3] integer with
     sum of t * h * w == P.
@@ -104,15 +115,26 @@ def multimodal_forward_kwargs(
         ``image_grid_thw``, and ``mm_token_type_ids`` [B, L] int32 (1 at image placeholders) where the model's
         forward takes it (Qwen3-VL computes its multimodal RoPE positions from it).
     Raises: ValueError when the placeholder tokens of a row do not match its images (a prompt rendered by one
-        processor, images processed by another), or when a model without vision takes images.
+        processor, images processed by another; image placeholders without images, e.g. a prompt rendered by the
+        chat template alone), or when a model without vision takes images.
     """
-    if rows is None or all(row is None for row in rows):
-        return {}
     config = model.config
+    no_images = rows is None or all(row is None for row in rows)
+    if no_images and not is_multimodal_config(config):
+        return {}
     if not is_multimodal_config(config):
         raise ValueError(f"samples carry images but the model ({type(model).__name__}) has no vision tower")
-    merge = getattr(config.vision_config, "spatial_merge_size", 1)
     is_image = input_ids == config.image_token_id  # [B, L]
+    if no_images:
+        if bool(is_image.any()):
+            row = int(is_image.any(dim=1).nonzero()[0])
+            raise ValueError(
+                f"row {row} has image placeholder tokens but no images: render image prompts with "
+                "miles.rollout.multimodal.VisionProcessor, which carries their pixel inputs"
+            )
+        return {}
+    rows = list(rows)
+    merge = getattr(config.vision_config, "spatial_merge_size", 1)
     for b, row in enumerate(rows):
         expected = 0 if row is None else sum(num_image_tokens(row, merge))
         found = int(is_image[b].sum())

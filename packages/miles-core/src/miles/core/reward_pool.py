@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import math
 import multiprocessing
@@ -207,7 +208,8 @@ class ProcessPoolReward:
     ) -> None:
         task = queue.popleft()
         try:
-            worker.conn.send(samples[task])
+            # a reward scores text (and metadata); pixel inputs would only weigh down the pipe
+            worker.conn.send(dataclasses.replace(samples[task], multimodal_inputs=None))
         except OSError:  # died while idle: score the sample on another worker
             queue.appendleft(task)
             self._replace(worker, "a reward worker died while idle; it was replaced")

@@ -999,9 +999,11 @@ def _adapter_rank(cfg: MilesConfig) -> int:
 
 
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
-    """Refuse, in one line, what vision-language policies do not run on yet: server engines (images are not sent to
-    vLLM / SGLang servers yet) and the packed batch layout (the Megatron backend refuses the architecture itself,
-    ``_check_megatron_models``). From config.json alone."""
+    """Refuse, in one line, what vision-language policies do not run with yet: server engines (images are not sent to
+    vLLM / SGLang servers yet), the packed batch layout, SFT and multi-turn rollouts (their renderers do not carry
+    images), a critic (no token-classification head for VLMs), LoRA (untested), and a text-only reference or
+    teacher. Several trainer ranks need Ray with a server engine, refused here already. The Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json
+    files alone, before anything starts."""
     from miles.core.multimodal import is_multimodal_config
     from transformers import AutoConfig
 
@@ -1012,10 +1014,27 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
         raise RunSetupError(
             f"{where}: image prompts run on the embedded engine only for now; set --engine.type embedded"
         )
+    if cfg.rollout.mode != "generate":
+        raise RunSetupError(f"{where}: rollout.mode {cfg.rollout.mode} does not carry images yet; use generate")
     if not training:
         return
-    if cfg.train.batch_layout != "padded":
-        raise RunSetupError(f"{where}: samples with images need --train.batch-layout padded (packed is text-only)")
+    refusals = {
+        "train.batch_layout packed": cfg.train.batch_layout != "padded",
+        "a critic (models.critic)": cfg.models.critic is not None,
+        "train.lora": cfg.train.lora is not None,
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise RunSetupError(
+                f"{where}: {what} is not supported with images yet; train with the padded layout, no critic, "
+                "no LoRA"
+            )
+    for key, section in (("models.reference.path", cfg.models.reference), ("models.teacher.path", cfg.models.teacher)):
+        path = getattr(section, "path", "") if section is not None else ""
+        if path:
+            other = resolve_model_path(path, key=key)
+            if not is_multimodal_config(AutoConfig.from_pretrained(other)):
+                raise RunSetupError(f"{where} but {key} ({other}) is text-only: it cannot score image prompts")
 
 
 def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:

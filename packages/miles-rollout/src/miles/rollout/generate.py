@@ -41,8 +41,9 @@ def render_prompt_inputs(tokenizer: Any, sample: Sample) -> tuple[list[int], Mul
     if sample.metadata.get("images"):
         if not hasattr(tokenizer, "render_sample"):
             raise ValueError(
-                "the prompt has images (metadata['images']) but the policy is a text-only model; use a "
-                "vision-language model (e.g. the tiny-qwen3-vl twin)"
+                "the prompt has images (metadata['images']) but the policy's tokenizer is not a vision-language "
+                "processor (a text-only model, or no tokenizer): use a vision-language model (e.g. the "
+                "tiny-qwen3-vl twin)"
             )
         return tokenizer.render_sample(sample)
     return render_prompt(tokenizer, sample.prompt), None
@@ -113,7 +114,10 @@ async def generate_group(
         for j in range(n)
     ]  # fmt: skip
     try:
-        prompt_tokens, images = render_prompt_inputs(tokenizer, prompt)
+        if prompt.metadata.get("images"):  # decoding and processing images: off the event loop
+            prompt_tokens, images = await asyncio.to_thread(render_prompt_inputs, tokenizer, prompt)
+        else:
+            prompt_tokens, images = render_prompt_inputs(tokenizer, prompt)
         if len(prompt_tokens) > max_prompt_tokens:
             raise ValueError(f"prompt has {len(prompt_tokens)} tokens > max_prompt_tokens")
     except ValueError as err:

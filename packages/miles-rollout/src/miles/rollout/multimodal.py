@@ -84,6 +84,12 @@ class VisionProcessor:
     def __len__(self) -> int:
         return len(self.tokenizer)
 
+    def save_pretrained(self, directory: str | Path, **kwargs: Any) -> Any:
+        """Save the tokenizer (with its chat template) and the image processor, so ``from_pretrained`` of a
+        checkpoint's or export's model directory gives this processor back."""
+        self.image_processor.save_pretrained(directory)
+        return self.tokenizer.save_pretrained(directory, **kwargs)
+
     def render(
         self, messages: list[dict[str, Any]], images: Sequence[Any]
     ) -> tuple[list[int], MultimodalInputs | None]:
@@ -150,6 +156,9 @@ def count_image_parts(messages: list[dict[str, Any]]) -> int:
 def load_image(entry: Any) -> Any:
     """An RGB PIL image from a ``metadata["images"]`` entry: a PIL image, raw bytes, base64 text, or a local path.
 
+    A ``data:image/...;base64,`` URI is base64 text. Bytes and PIL images work in memory but are not JSON-able:
+    data sources meant for checkpoints and remote rewards store base64 text or paths.
+
     Raises: ValueError naming what could not be read.
     """
     from PIL import Image, UnidentifiedImageError
@@ -161,7 +170,9 @@ def load_image(entry: Any) -> Any:
             return Image.open(io.BytesIO(entry)).convert("RGB")
         if isinstance(entry, str | Path):
             text = str(entry)
-            if len(text) < 4096 and Path(text).is_file():
+            if text.startswith("data:") and ";base64," in text[:64]:
+                text = text.split(";base64,", 1)[1]
+            elif len(text) < 4096 and Path(text).is_file():
                 return Image.open(text).convert("RGB")
             return Image.open(io.BytesIO(base64.b64decode(text, validate=True))).convert("RGB")
     except (OSError, UnidentifiedImageError, binascii.Error) as err:

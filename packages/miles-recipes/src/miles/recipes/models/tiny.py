@@ -69,7 +69,7 @@ _VISION = dict(
     num_position_embeddings=64,
     deepstack_visual_indexes=[1],
 )
-_IMAGE_PROCESSOR = dict(patch_size=16, merge_size=2, temporal_patch_size=2,
+IMAGE_PROCESSOR = dict(patch_size=16, merge_size=2, temporal_patch_size=2,
                         size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})  # fmt: skip
 # ChatML as SmolLM2's, with Qwen-VL's rendering of image parts (no default system prompt, as Qwen's).
 VLM_CHAT_TEMPLATE = (
@@ -187,7 +187,7 @@ def build_tiny(family: str, path: Path) -> Path:
     if vision:
         from transformers import Qwen2VLImageProcessorPil
 
-        Qwen2VLImageProcessorPil(**_IMAGE_PROCESSOR).save_pretrained(path)
+        Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR).save_pretrained(path)
     return path
 
 

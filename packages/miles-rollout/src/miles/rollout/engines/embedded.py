@@ -36,6 +36,7 @@ from miles.core.multimodal import (
     load_policy_model,
     multimodal_forward_kwargs,
     validate_multimodal,
+    vision_token_ids,
 )
 from miles.core.protocols import FinishReason, GenerateOutput, GenerateRequest, PauseMode
 from miles.core.routing_replay import NOT_RECORDED, RoutingRecorder, merge_routing, pad_routing, routing_layout
@@ -232,6 +233,7 @@ class EmbeddedEngine:
                 "drop --engine.routed-experts for a dense model"
             )
         self.multimodal = is_multimodal_config(self.model.config)  # takes image prompts
+        self.vision_token_ids = vision_token_ids(self.model.config)  # never sampled
         # The continuous loop runs text-only Llama-family models; a VLM's prefill needs its images (HF generate).
         self.continuous = continuous and not self.multimodal and decode.supports(self.model) and self.routing is None
         self._cache: decode.SlotKVCache | None = None  # the continuous loop's, while its worker runs
@@ -791,7 +793,7 @@ class EmbeddedEngine:
                 input_ids=input_ids,
                 attention_mask=attention_mask.to(self.model.device),
                 generation_config=config,
-                logits_processor=LogitsProcessorList([RowSampler(sampling, generators)]),
+                logits_processor=LogitsProcessorList([RowSampler(sampling, generators, self.vision_token_ids)]),
                 stopping_criteria=StoppingCriteriaList(criteria),
                 **images,
             )
@@ -961,17 +963,26 @@ class RowSampler:
     Args:
         sampling: temperature, top_k (0 = off) and top_p (1.0 = off) of the batch.
         generators: one per row, on the model's device.
+        banned: token ids never sampled (a VLM's image placeholder and vision markers: a response holding one would
+            not match its images), excluded like top-k / top-p truncation: log-probs stay those of the whole
+            distribution.
     """
 
-    def __init__(self, sampling: SamplingConfig, generators: Sequence[torch.Generator]) -> None:
+    def __init__(
+        self, sampling: SamplingConfig, generators: Sequence[torch.Generator], banned: Sequence[int] = ()
+    ) -> None:
         from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
         self.warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature), *truncation(sampling)])
         self.generators = list(generators)
+        self.banned = list(banned)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         """input_ids: [B, L] int64; scores: [B, V] float logits of the next token. Returns [B, V] float32."""
-        warped = self.warpers(input_ids, scores.float())  # [B, V]
+        scores = scores.float()
+        if self.banned:
+            scores = scores.index_fill(1, torch.tensor(self.banned, device=scores.device), float("-inf"))
+        warped = self.warpers(input_ids, scores)  # [B, V]
         tokens = sample_rows(warped, self.generators)
         chosen = torch.full_like(warped, float("-inf"))
         return chosen.scatter_(1, tokens[:, None], 0.0)
