@@ -56,7 +56,6 @@ def test_the_vlm_recipe_runs_two_grpo_steps_with_images_and_engine_and_trainer_a
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (["--train.batch-layout", "packed"], "train.batch_layout packed is not supported with images yet"),
         (["--engine.type", "vllm"], "image prompts run on the embedded engine only for now; set --engine.type"),
         (["--train.backend", "megatron"], "model type 'qwen3_vl' has no Megatron conversion yet"),
         (["--train.lora", "on"], "train.lora is not supported with images yet"),

@@ -34,6 +34,21 @@ def rollout(tiny_vlm_dir):
     return engine, processor, batch
 
 
+def _samples(rollout):
+    """The rollout's samples again, rebuilt from its batch (the fixture keeps only the batch)."""
+    from miles.core.sample import Sample
+
+    _, _, batch = rollout
+    samples = []
+    for b in range(batch.batch_size):
+        n = int(batch.prompt_lengths[b] + batch.response_lengths[b])
+        resp = int(batch.response_lengths[b])
+        samples.append(Sample(index=b, group_index=b // 2, prompt="", tokens=batch.tokens[b, :n].tolist(),
+                              response_length=resp, rollout_log_probs=batch.rollout_log_probs[b, :resp].tolist(),
+                              multimodal_inputs=batch.multimodal_inputs[b]))  # fmt: skip
+    return samples
+
+
 def _backend(path, **train):
     return FSDP2Backend(path, train=TrainConfig(dtype="fp32", micro_batch_size=4, lr=1e-3, **train), temperature=1.0)
 
@@ -111,8 +126,28 @@ def test_a_frozen_vision_tower_stays_as_loaded_while_the_language_model_trains(t
     assert sum(1 for k, _ in backend.export_weights() if k.startswith("model.visual.")) > 0  # still pushed
 
 
-def test_the_packed_layout_refuses_images_in_one_line(tiny_vlm_dir, rollout):
-    _, _, batch = rollout
-    backend = _backend(tiny_vlm_dir, batch_layout="packed")
-    with pytest.raises(ValueError, match="batch_layout 'packed' does not take samples with images yet"):
-        backend.forward(batch, outputs={"old_log_probs"})
+def test_the_packed_layout_gives_the_padded_log_probs_with_images_and_text_rows(tiny_vlm_dir, rollout):
+    """Packed rows keep each sample's multimodal RoPE positions (computed on the row alone) behind text positions
+    that restart per row; a text-only row packs beside image rows."""
+    from miles.core.batch import build_train_batch
+    from miles.core.sample import Sample
+
+    engine, processor, batch = rollout
+    text = Sample(index=9, group_index=9, prompt=[{"role": "user", "content": "Say hi."}])
+    text_samples = generate_samples([text], ChatRollout(engine, processor), n_samples_per_prompt=2, sampling=SAMPLING,
+                                    seed=5)  # fmt: skip
+    image_samples = [s for s in _samples(rollout)]
+    mixed = build_train_batch(image_samples[:3] + text_samples + image_samples[3:], torch.zeros(8),
+                              pad_token_id=processor.pad_token_id)  # fmt: skip
+    assert [m is None for m in mixed.multimodal_inputs] == [False] * 3 + [True] * 2 + [False] * 3
+    padded = _backend(tiny_vlm_dir).forward(mixed, outputs={"old_log_probs"}).old_log_probs
+    packed_backend = _backend(tiny_vlm_dir, batch_layout="packed")
+    packed = packed_backend.forward(mixed, outputs={"old_log_probs"}).old_log_probs
+    assert _max_gap(packed, padded, mixed.loss_mask) < 1e-5
+    assert _max_gap(packed, mixed.rollout_log_probs, mixed.loss_mask) < 1e-5
+    rows = mixed.multimodal_inputs
+    image_rows = [0, 1, 2, 5, 6, 7]
+    swap = dict(zip(image_rows, image_rows[2:] + image_rows[:2]))  # each image row gets another prompt's pictures
+    forged = tuple(rows[swap[b]] if b in swap else None for b in range(8))
+    other = packed_backend.forward(mixed.replace(multimodal_inputs=forged), outputs={"old_log_probs"}).old_log_probs
+    assert _max_gap(other, padded, mixed.loss_mask) > 1e-3

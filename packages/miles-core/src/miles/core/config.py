@@ -475,7 +475,6 @@ class RayConfig(_Section):
         "the redone steps: keep loop.save_interval small when restarts are on.",
     )
 
-
     @property
     def engine_bundle(self) -> dict[str, float]:
         """The resources of each engine server's bundle ({} = the servers take no bundle)."""

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 from miles.core.batch import pack_sequences
-from miles.core.multimodal import MultimodalInputs, multimodal_forward_kwargs
+from miles.core.multimodal import MultimodalInputs, multimodal_forward_kwargs, packed_position_ids
 from torch import Tensor
 
 # Attention implementations that keep packed sequences apart (transformers 5.x). eager/sdpa/flex: the causal mask
@@ -151,15 +151,11 @@ def packed_model_response_log_probs(
     Returns: log_probs [B, T] float32 nats; entropy [B, T] float32 or None; both equal to
         ``model_response_log_probs`` within float rounding on each row's first ``response_lengths[b]`` columns and
         exactly 0 past them (the padded path leaves unspecified values there; mask them either way). Carry grad.
-        multimodal: must be None or all None: rows with images run on the padded layout (their multimodal RoPE
-            positions are not packed yet).
+        multimodal: per row, its image inputs or None (Qwen-VL models: each row's multimodal RoPE positions are
+            computed on the row alone and packed behind restarting text positions, ``packed_position_ids``).
     Raises: ValueError for another attention implementation (it would attend across sequences), left padding, or
-        rows with images.
+        what ``multimodal_forward_kwargs`` / ``packed_position_ids`` raise.
     """
-    if multimodal is not None and any(row is not None for row in multimodal):
-        raise ValueError(
-            "train.batch_layout 'packed' does not take samples with images yet; set --train.batch-layout padded"
-        )
     attn_impl = model.config._attn_implementation
     if attn_impl not in _PACKED_MASK_ATTENTION and "flash" not in attn_impl:
         raise ValueError(
@@ -177,13 +173,21 @@ def packed_model_response_log_probs(
     # Response token t of row b sits at packed index start_b + p_b + t and is predicted by the index before it.
     pred_pos = (seq_starts + prompt_lengths - 1)[:, None] + cols[None, :]  # [B, T]
     keep = pred_pos[is_response]  # [M], ascending (row-major), so [M] results scatter back in the same order
+    position_ids, images = packed.position_ids, {}
+    if multimodal is not None and any(row is not None for row in multimodal):
+        images = multimodal_forward_kwargs(model, tokens, multimodal)  # checks each row's placeholders first
+        if "mm_token_type_ids" in images:  # [B, L] -> the packed row's [1, N]
+            images["mm_token_type_ids"] = (packed.tokens == model.config.image_token_id).to(torch.int32)
+        lengths = packed.cu_seqlens.diff().tolist()
+        rows = [tokens[b, :n] for b, n in enumerate(lengths)]
+        position_ids = packed_position_ids(model, rows, multimodal)  # [4, 1, N]
     # attention_mask=None and use_cache=False are what make transformers derive the block-diagonal causal mask from
     # the restarting position_ids (a 2-D mask or a cache disables that detection). The cu_seq_lens/max_length
     # kwargs are what flash varlen kernels read (else they re-derive them with a host sync per layer); eager/sdpa
     # ignore them. The top module is called, so FSDP2's pre/post-forward hooks run as usual.
     logits = model(
         input_ids=packed.tokens,
-        position_ids=packed.position_ids,
+        position_ids=position_ids,
         attention_mask=None,
         use_cache=False,
         logits_to_keep=keep,
@@ -191,6 +195,7 @@ def packed_model_response_log_probs(
         cu_seq_lens_k=packed.cu_seqlens,
         max_length_q=packed.max_seqlen,
         max_length_k=packed.max_seqlen,
+        **images,
     ).logits  # [1, M, V]
     targets = packed.tokens[0, keep + 1]  # [M]
     token_log_probs, token_entropy = _scaled_token_log_probs(

@@ -157,3 +157,31 @@ def multimodal_forward_kwargs(
 @functools.cache
 def _takes_mm_token_type_ids(model_class: type) -> bool:
     return "mm_token_type_ids" in inspect.signature(model_class.forward).parameters
+
+
+def packed_position_ids(
+    model: torch.nn.Module, rows: Sequence[Tensor], inputs: Sequence[MultimodalInputs | None]
+) -> Tensor:
+    """Position ids of the packed layout for a Qwen-VL model: each row's multimodal RoPE positions (the model's own
+    ``get_rope_index`` on the row alone, so an image's tokens get its grid positions) behind text positions that
+    restart at every row (from which transformers builds the block-diagonal causal mask of packed sequences).
+
+    Args:
+        model: the HF vision-language model (``model.model.get_rope_index``).
+        rows: B int64 [L_b] token ids, each row's real tokens.
+        inputs: per row, its image inputs or None.
+    Returns: [4, 1, sum L_b] int64: text positions, then the temporal / height / width positions.
+    Raises: ValueError for a model without ``get_rope_index`` (not a Qwen-VL model).
+    """
+    inner = getattr(model, "model", model)
+    if not hasattr(inner, "get_rope_index"):
+        raise ValueError(f"{type(model).__name__} has no get_rope_index: the packed layout takes Qwen-VL models only")
+    image_token_id = model.config.image_token_id
+    columns = []
+    for tokens, row in zip(rows, inputs):
+        ids = tokens[None]  # [1, L]
+        grid = None if row is None else row["image_grid_thw"].to(device=ids.device, dtype=torch.int64)
+        rope, _ = inner.get_rope_index(ids, (ids == image_token_id).to(torch.int32), image_grid_thw=grid)  # [3, 1, L]
+        text = torch.arange(ids.shape[1], device=ids.device)[None, None]  # [1, 1, L]
+        columns.append(torch.cat([text, rope.to(text.dtype)]))
+    return torch.cat(columns, dim=2)

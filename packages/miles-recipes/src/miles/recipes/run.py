@@ -1000,10 +1000,10 @@ def _adapter_rank(cfg: MilesConfig) -> int:
 
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
     """Refuse, in one line, what vision-language policies do not run with yet: server engines (images are not sent to
-    vLLM / SGLang servers yet), the packed batch layout, SFT and multi-turn rollouts (their renderers do not carry
-    images), a critic (no token-classification head for VLMs), LoRA (untested), and a text-only reference or
-    teacher. Several trainer ranks need Ray with a server engine, refused here already. The Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json
-    files alone, before anything starts."""
+    vLLM / SGLang servers yet), SFT and multi-turn rollouts (their renderers do not carry images), a critic (no
+    token-classification head for VLMs), LoRA (untested), and a text-only reference or teacher. Several trainer
+    ranks need Ray with a server engine, refused here already; the Megatron backend refuses the architecture itself
+    (``_check_megatron_models``). From config.json files alone, before anything starts."""
     from miles.core.multimodal import is_multimodal_config
     from transformers import AutoConfig
 
@@ -1019,15 +1019,13 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
     if not training:
         return
     refusals = {
-        "train.batch_layout packed": cfg.train.batch_layout != "padded",
         "a critic (models.critic)": cfg.models.critic is not None,
         "train.lora": cfg.train.lora is not None,
     }
     for what, refused in refusals.items():
         if refused:
             raise RunSetupError(
-                f"{where}: {what} is not supported with images yet; train with the padded layout, no critic, "
-                "no LoRA"
+                f"{where}: {what} is not supported with images yet; train without a critic and without LoRA"
             )
     for key, section in (("models.reference.path", cfg.models.reference), ("models.teacher.path", cfg.models.teacher)):
         path = getattr(section, "path", "") if section is not None else ""
