@@ -3,11 +3,12 @@ ranks of the current process group, with the same ``TrainBackend`` contract and 
 
 Rank layout: ``world = tensor_parallel_size * data_parallel_size``; Megatron's ``parallel_state`` groups the ranks
 (the tensor-parallel ranks of one replica are consecutive). Every rank of a tensor-parallel group runs the same rows;
-data-parallel replicas get their own rows and Megatron's ``DistributedDataParallel`` sums their gradients.
-MoE models (Qwen3-MoE) replay the engine's routing (R3) when the batch carries it: each router's top-k is the
-recorded experts where a token has them, with gating weights from the live logits (``RecordedTopK``). Pipeline,
-expert and context parallelism, LoRA and a critic are not wired into this backend yet (the constructor refuses the
-last two).
+data-parallel replicas get their own rows and Megatron's ``DistributedDataParallel`` sums their gradients; with
+``expert_parallel_size`` > 1 the replicas split each MoE layer's experts.
+MoE models (Qwen3-MoE, DeepSeek-V3 / Kimi K2) replay the engine's routing (R3) when the batch carries it: each
+router's top-k is the recorded experts where a token has them, with gating weights from the live logits
+(``RecordedTopK``). LoRA sits on Megatron's fused linears (``miles.train.megatron.lora``; dense models, no dropout).
+Pipeline and context parallelism, LoRA on MoE models, a critic and vision-language models are not wired in yet.
 """
 
 from __future__ import annotations
