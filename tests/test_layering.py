@@ -12,6 +12,7 @@ ALLOWED = {
     "rollout": {"core", "sync"},
     "train": {"core", "sync"},
     "recipes": {"core", "rollout", "train", "sync"},
+    "diffusion": {"core", "train", "sync"},
 }
 
 
