@@ -1,0 +1,168 @@
+"""Sampling a flow-matching transformer as a policy: trajectories of latents with each step's log-prob, and their
+recompute with gradients for training.
+
+The model is a diffusers flow-matching transformer with SD3's call signature (``SD3Transformer2DModel``: latents,
+text embeddings, pooled embedding, timestep = 1000 * sigma; it returns the velocity). Times come from diffusers'
+``FlowMatchEulerDiscreteScheduler`` (``shift`` as SD3's), from 1 (noise) down to 0. Every step is a transition of
+``miles.diffusion.sde.sde_step``; classifier-free guidance, when on, mixes the conditional and unconditional
+velocities before the step, so the log-prob is that of the guided policy (as Flow-GRPO samples and trains).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from miles.diffusion.sde import sde_step
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What the transformer is conditioned on, per image.
+
+    Attributes:
+        prompt_embeds: [B, L, D] float, the text encoder's token embeddings.
+        pooled: [B, P] float, the pooled text embedding.
+    """
+
+    prompt_embeds: Tensor
+    pooled: Tensor
+
+    def rows(self, index: Tensor | slice) -> Conditioning:
+        """The conditioning of some images."""
+        return Conditioning(self.prompt_embeds[index], self.pooled[index])
+
+
+@dataclass(frozen=True)
+class Trajectories:
+    """B sampled denoising trajectories.
+
+    Attributes:
+        latents: [B, T + 1, C, H, W] float32: ``latents[:, 0]`` the initial noise, ``latents[:, i + 1]`` the
+            outcome of step i, ``latents[:, -1]`` the final sample.
+        sigmas: [T + 1] float32, the times, 1 = noise down to 0.
+        log_probs: [B, T] float32, each step's transition log-prob under the weights that sampled it.
+    """
+
+    latents: Tensor
+    sigmas: Tensor
+    log_probs: Tensor
+
+    @property
+    def num_steps(self) -> int:
+        return self.log_probs.shape[1]
+
+
+def flow_sigmas(num_steps: int, *, shift: float = 3.0) -> Tensor:
+    """The ``num_steps`` + 1 times of diffusers' ``FlowMatchEulerDiscreteScheduler`` with ``shift`` (SD3: 3.0),
+    from 1.0 down to 0.0. Raises: ValueError for num_steps < 2."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if num_steps < 2:
+        raise ValueError(f"num_steps must be >= 2 (the first step starts at sigma 1), got {num_steps}")
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(num_steps)
+    return scheduler.sigmas.to(torch.float32).clone()
+
+
+def velocity(
+    transformer: torch.nn.Module,
+    x: Tensor,
+    sigma: float | Tensor,
+    cond: Conditioning,
+    *,
+    uncond: Conditioning | None = None,
+    guidance_scale: float = 1.0,
+) -> Tensor:
+    """The (guided) velocity at ``x``: v_c, or v_u + g (v_c - v_u) with ``uncond`` and g = ``guidance_scale``.
+
+    Args: x [B, C, H, W]; sigma a float or [B] time; cond / uncond per image. Returns: [B, C, H, W] float32.
+    """
+    timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=x.device) * 1000).expand(x.shape[0])
+    if uncond is None or guidance_scale == 1.0:
+        return _forward(transformer, x, timestep, cond).float()
+    both = _forward(transformer, torch.cat([x, x]), torch.cat([timestep, timestep]),
+                    Conditioning(torch.cat([uncond.prompt_embeds, cond.prompt_embeds]),
+                                 torch.cat([uncond.pooled, cond.pooled]))).float()  # fmt: skip
+    v_uncond, v_cond = both.chunk(2)
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
+def _forward(transformer: torch.nn.Module, x: Tensor, timestep: Tensor, cond: Conditioning) -> Tensor:
+    return transformer(
+        hidden_states=x.to(cond.prompt_embeds.dtype),
+        encoder_hidden_states=cond.prompt_embeds,
+        pooled_projections=cond.pooled,
+        timestep=timestep,
+        return_dict=False,
+    )[0]
+
+
+@torch.no_grad()
+def sample(
+    transformer: torch.nn.Module,
+    cond: Conditioning,
+    *,
+    latent_shape: Sequence[int],
+    num_steps: int,
+    noise_level: float = 0.7,
+    shift: float = 3.0,
+    uncond: Conditioning | None = None,
+    guidance_scale: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Trajectories:
+    """Sample one trajectory per row of ``cond`` with the SDE (every step stochastic, with its log-prob).
+
+    Args:
+        transformer: the flow-matching transformer (SD3 signature).
+        cond: B rows of conditioning; uncond / guidance_scale: classifier-free guidance (off at 1.0).
+        latent_shape: (C, H, W) of one latent.
+        num_steps: T denoising steps; noise_level: Flow-GRPO's a (> 0); shift: the schedule's shift.
+        generator: draws the initial noise and every step's noise.
+    Returns: ``Trajectories`` on the transformer's device.
+    """
+    device = cond.prompt_embeds.device
+    sigmas = flow_sigmas(num_steps, shift=shift).to(device)
+    batch = cond.prompt_embeds.shape[0]
+    x = torch.randn((batch, *latent_shape), generator=generator, device=device, dtype=torch.float32)
+    latents, log_probs = [x], []
+    for i in range(num_steps):
+        v = velocity(transformer, x, sigmas[i], cond, uncond=uncond, guidance_scale=guidance_scale)
+        step = sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=noise_level, sigma_max=float(sigmas[1]),
+                        generator=generator)  # fmt: skip
+        x = step.x_next
+        latents.append(x)
+        log_probs.append(step.log_prob)
+    return Trajectories(latents=torch.stack(latents, dim=1), sigmas=sigmas, log_probs=torch.stack(log_probs, dim=1))
+
+
+def step_log_probs(
+    transformer: torch.nn.Module,
+    trajectories: Trajectories,
+    cond: Conditioning,
+    steps: Sequence[int],
+    *,
+    noise_level: float = 0.7,
+    uncond: Conditioning | None = None,
+    guidance_scale: float = 1.0,
+) -> Tensor:
+    """The log-probs of the sampled ``steps`` of each trajectory under ``transformer``'s current weights (grad flows
+    to it): what the trainer recomputes for the importance ratio.
+
+    Args: as ``sample``; steps: indices in [0, T), the steps trained on (all, or a subset: denoising reduction).
+    Returns: [B, len(steps)] float32.
+    Raises: ValueError for a step out of range.
+    """
+    sigmas = trajectories.sigmas
+    if any(not 0 <= i < trajectories.num_steps for i in steps):
+        raise ValueError(f"steps {list(steps)} must lie in [0, {trajectories.num_steps})")
+    columns = []
+    for i in steps:
+        x = trajectories.latents[:, i]
+        v = velocity(transformer, x, sigmas[i], cond, uncond=uncond, guidance_scale=guidance_scale)
+        step = sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=noise_level, sigma_max=float(sigmas[1]),
+                        x_next=trajectories.latents[:, i + 1])  # fmt: skip
+        columns.append(step.log_prob)
+    return torch.stack(columns, dim=1)
