@@ -43,7 +43,7 @@ def test_images_go_at_the_markers_or_before_the_text():
 def test_a_jsonl_file_with_image_paths_and_base64_gives_samples_with_their_images(tmp_path):
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "red.png").write_bytes(png((255, 0, 0)))
-    blue = base64.b64encode(png((0, 0, 255))).decode()
+    blue = base64.b64encode(png((0, 0, 255)) + b"\0" * 300).decode()  # > 255 characters: no file name
     rows = [
         {"question": "<image> vs <image>: which is red?", "answer": "first", "images": ["img/red.png", blue]},
         {"question": "Colour?", "answer": "red", "images": "img/red.png"},

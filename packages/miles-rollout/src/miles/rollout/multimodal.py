@@ -172,12 +172,23 @@ def load_image(entry: Any) -> Any:
             text = str(entry)
             if text.startswith("data:") and ";base64," in text[:64]:
                 text = text.split(";base64,", 1)[1]
-            elif len(text) < 4096 and Path(text).is_file():
+            elif is_file_path(text):
                 return Image.open(text).convert("RGB")
             return Image.open(io.BytesIO(base64.b64decode(text, validate=True))).convert("RGB")
     except (OSError, UnidentifiedImageError, binascii.Error) as err:
         raise ValueError(f"metadata['images'] entry is not a readable image ({err})") from None
     raise ValueError(f"metadata['images'] entry of type {type(entry).__name__}: give base64 text, bytes or a file path")
+
+
+def is_file_path(text: str | Path) -> bool:
+    """Whether ``text`` names an existing file; False (not an error) for text that cannot be a path, such as
+    base64 image data longer than a file name may be (``Path.is_file`` raises ENAMETOOLONG there)."""
+    if len(str(text)) > 4096:
+        return False
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # ENAMETOOLONG, an embedded NUL
+        return False
 
 
 def load_tokenizer(path: str | Path) -> Any:

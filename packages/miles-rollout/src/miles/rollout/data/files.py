@@ -363,6 +363,8 @@ class FileSource(EpochShuffledSource):
         file's directory when that file exists there; other text (base64, an absolute path) as is."""
         if isinstance(entry, bytes):
             return base64.b64encode(entry).decode("ascii")
-        if len(entry) < 4096 and not Path(entry).is_absolute() and (self.path.parent / entry).is_file():
+        from miles.rollout.multimodal import is_file_path
+
+        if not Path(entry).is_absolute() and is_file_path(self.path.parent / entry):
             return str((self.path.parent / entry).resolve())
         return entry
