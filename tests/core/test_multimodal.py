@@ -68,3 +68,19 @@ def test_a_padded_rank_shard_keeps_a_tuple_per_row():
     assert shard.multimodal_inputs[0]["pixel_values"].shape[0] == 8
     assert shard.multimodal_inputs[1]["pixel_values"].shape[0] == 4
     assert shard.loss_mask[1].sum() == 0  # the filler trains nothing
+
+
+def test_a_sample_whose_prompt_failed_before_generation_is_an_untrained_placeholder_row():
+    """Regression: a prompt that fails to render (an unreadable image, too many tokens) leaves its samples without
+    tokens; build_train_batch raised 'has no prompt tokens' and the whole step crashed whenever other prompts of the
+    step succeeded. Now such an untrained sample is a one-pad-token row that trains nothing."""
+    ok = samples()
+    failed = Sample(index=3, group_index=1, prompt="p")  # FAILED in generate_group: no tokens, no log-probs
+    batch = build_train_batch([*ok, failed], torch.ones(4), pad_token_id=0, trained=[True, True, True, False])
+    assert batch.prompt_lengths.tolist() == [3, 4, 5, 1] and batch.response_lengths.tolist() == [2, 2, 2, 0]
+    assert batch.attention_mask[3].tolist() == [True] + [False] * 6 and batch.tokens[3, 0] == 0
+    assert not batch.loss_mask[3].any() and batch.advantages[3].abs().sum() == 0
+    assert batch.rollout_log_probs is not None  # the failed row does not switch the mismatch metrics off
+    assert batch.multimodal_inputs[3] is None
+    with pytest.raises(ValueError, match="sample 3 has no prompt tokens"):  # a trained one still cannot
+        build_train_batch([*ok, failed], torch.ones(4), pad_token_id=0)

@@ -59,7 +59,10 @@ def test_the_vlm_recipe_runs_two_grpo_steps_with_images_and_engine_and_trainer_a
         (["--engine.type", "vllm"], "image prompts run on the embedded engine only for now; set --engine.type"),
         (["--train.backend", "megatron"], "model type 'qwen3_vl' has no Megatron conversion yet"),
         (["--train.lora", "on"], "train.lora is not supported with images yet"),
-        (["--rollout.mode", "multi_turn"], "rollout.mode multi_turn does not carry images yet; use generate"),
+        (
+            ["--rollout.mode", "multi_turn"],
+            "rollout.mode multi_turn does not carry images yet; use --rollout.mode generate",
+        ),
     ],
 )
 def test_what_vlms_do_not_run_on_yet_is_refused_before_any_model_loads(tmp_path, capsys, override, message):
@@ -72,3 +75,27 @@ def test_the_vlm_recipe_validates():
     cfg = resolve_config(RECIPE, [])
     assert (cfg.models.policy.path, cfg.engine.type, cfg.train.batch_layout) == ("tiny-qwen3-vl", "embedded", "padded")
     assert cfg.data.source_path == "miles.rollout.data.visual_tasks:build_source" and cfg.reward.type == "exact_match"
+
+
+def test_a_data_file_row_whose_image_is_missing_fails_its_samples_not_the_step(tmp_path, monkeypatch):
+    """Regression (found by a new-user trial): one prompt that cannot render among good ones crashed the step in
+    build_train_batch; now its samples are counted in samples/failed and the rest trains."""
+    import io
+
+    from PIL import Image
+
+    monkeypatch.syspath_prepend(TINY_RUN_PATH)
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(buffer, format="PNG")
+    (tmp_path / "red.png").write_bytes(buffer.getvalue())
+    rows = [{"question": "<image>Colour?", "answer": "red", "images": ["red.png"]} for _ in range(3)]
+    rows.append({"question": "<image>Colour?", "answer": "red", "images": ["missing.png"]})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--data.source", "file", "--data.path", str(tmp_path / "rows.jsonl"), "--data.image-key", "images",
+            "--data.source-path", "", "--eval.num-prompts", "0", "--loop.num-steps", "1",
+            "--reward.type", "custom", "--reward.path", "reward_plugins:text_length",
+            "--run.dir", str(tmp_path), "--run.name", "missing", "--run.progress", "false"]  # fmt: skip
+    assert main(["train", "--recipe", RECIPE, *args]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "missing" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "loss" in r)
+    assert step["samples/failed"] == 4 and step["grad_norm"] > 0, step  # the missing image's group of 4

@@ -124,7 +124,9 @@ def build_train_batch(
         trained: per sample, False excludes it from the loss (e.g. a failed reward); default all True.
     Returns: the padded batch; ``loss_mask`` is ``sample.loss_mask`` (or all ones) AND ``trained``;
         ``weight_versions`` always set; ``routed_experts`` set when every sample has ``rollout_routed_experts``.
-    Raises: ValueError if a sample has no response, lengths disagree, or shapes mismatch.
+        An untrained sample without tokens (its prompt failed before generation: unreadable image, too long) is a
+        row of one ``pad_token_id`` prompt token and no response, so the rest of its step still trains.
+    Raises: ValueError if a trained sample has no prompt tokens, lengths disagree, or shapes mismatch.
     """
     num = len(samples)
     if num == 0:
@@ -132,7 +134,9 @@ def build_train_batch(
     if advantages.shape[0] != num:
         raise ValueError(f"advantages has {advantages.shape[0]} rows for {num} samples")
     trained = [True] * num if trained is None else list(trained)
-    prompt_lengths = torch.tensor([s.prompt_length for s in samples], dtype=torch.int64)
+    # An untrained sample that never got tokens stands in as [pad]: a row must hold a prompt token.
+    empty = [not s.tokens and not t for s, t in zip(samples, trained)]
+    prompt_lengths = torch.tensor([1 if e else s.prompt_length for s, e in zip(samples, empty)], dtype=torch.int64)
     response_lengths = torch.tensor([s.response_length for s in samples], dtype=torch.int64)
     seq_len = int((prompt_lengths + response_lengths).max())
     resp_len = max(1, int(response_lengths.max()))
@@ -140,9 +144,12 @@ def build_train_batch(
     attention_mask = torch.zeros(num, seq_len, dtype=torch.bool)
     loss_mask = torch.zeros(num, resp_len, dtype=torch.bool)
     rollout_log_probs = torch.zeros(num, resp_len, dtype=torch.float32)
-    has_rollout_log_probs = all(s.rollout_log_probs is not None for s in samples)
+    has_rollout_log_probs = all(s.rollout_log_probs is not None for s, e in zip(samples, empty) if not e)
     for b, sample in enumerate(samples):
         n_tok, n_resp = len(sample.tokens), sample.response_length
+        if empty[b]:
+            attention_mask[b, 0] = True
+            continue
         if sample.prompt_length <= 0:
             raise ValueError(f"sample {sample.index} has no prompt tokens (tokens={n_tok}, response={n_resp})")
         tokens[b, :n_tok] = torch.tensor(sample.tokens, dtype=torch.int64)

@@ -1015,7 +1015,9 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
             f"{where}: image prompts run on the embedded engine only for now; set --engine.type embedded"
         )
     if cfg.rollout.mode != "generate":
-        raise RunSetupError(f"{where}: rollout.mode {cfg.rollout.mode} does not carry images yet; use generate")
+        raise RunSetupError(
+            f"{where}: rollout.mode {cfg.rollout.mode} does not carry images yet; use --rollout.mode generate"
+        )
     if not training:
         return
     refusals = {
