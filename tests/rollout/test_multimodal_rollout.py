@@ -166,3 +166,18 @@ def test_vision_tokens_are_never_sampled_and_placeholders_without_images_are_ref
     tokens, _ = processor.render_sample(problems(1)[0])
     with pytest.raises(ValueError, match="row 0 has image placeholder tokens but no images"):
         engine.score([tokens], [[5, 6]], temperature=1.0)
+
+
+def test_renders_from_many_threads_agree_and_the_processor_pickles(processor):
+    """The rollout renders image prompts in worker threads; an HF fast tokenizer used by two threads at once can
+    fail, so renders take turns. The processor still pickles (its lock is recreated)."""
+    import pickle
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = problems(3)
+    expected = [processor.render_sample(p)[0] for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: processor.render_sample(prompts[i % 3])[0], range(48)))
+    assert got == [expected[i % 3] for i in range(48)]
+    again = pickle.loads(pickle.dumps(processor))
+    assert again.render_sample(prompts[0])[0] == expected[0] and again.merge_size == processor.merge_size

@@ -18,6 +18,7 @@ import base64
 import binascii
 import io
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ class VisionProcessor:
         self.image_processor = image_processor
         self.image_token = image_token
         self.merge_size = merge_size
+        # render runs in worker threads (off the rollout's event loop); an HF fast tokenizer used from two threads at
+        # once can fail ("Already borrowed"), so renders take turns
+        self._render_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> VisionProcessor:
@@ -74,9 +78,16 @@ class VisionProcessor:
         )
 
     def __getattr__(self, name: str) -> Any:  # only called for names this class does not define
-        if name == "tokenizer":  # not set yet (unpickling): avoid recursing
+        if name in ("tokenizer", "__setstate__"):  # not set yet (unpickling): avoid recursing
             raise AttributeError(name)
         return getattr(self.tokenizer, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_render_lock"}  # a lock does not pickle
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._render_lock = threading.Lock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.tokenizer(*args, **kwargs)
@@ -103,6 +114,12 @@ class VisionProcessor:
             images).
         Raises: ValueError when the number of image parts and images differ.
         """
+        with self._render_lock:
+            return self._render(messages, images)
+
+    def _render(
+        self, messages: list[dict[str, Any]], images: Sequence[Any]
+    ) -> tuple[list[int], MultimodalInputs | None]:
         import torch
 
         num_parts = count_image_parts(messages)
