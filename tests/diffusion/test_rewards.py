@@ -39,3 +39,21 @@ def test_colour_reward_by_hand():
 def test_decoder_output_converts_to_pixels():
     images = torch.tensor([[[[-1.0]], [[0.0]], [[1.0]]]])  # [1, 3, 1, 1]
     assert to_uint8(images).tolist() == [[[[0, 128, 255]]]]
+
+
+def test_named_colour_reads_the_prompts_colour_word():
+    from miles.diffusion.rewards import COLOURS, IMAGE_REWARDS, named_colour_reward, prompt_colour
+
+    assert prompt_colour("A RED square.") == COLOURS["red"] and prompt_colour("blue, please") == COLOURS["blue"]
+    red = np.broadcast_to(np.array(COLOURS["red"], dtype=np.uint8), (2, 4, 4, 3)).copy()
+    assert named_colour_reward(["a red image", "a blue image"], red)[0] == 1.0
+    # red (220, 40, 40) vs blue (40, 70, 220): |(180, -30, -180)| = 256.32 of 441.67
+    assert named_colour_reward(["a red image", "a blue image"], red)[1] == pytest.approx(1 - 256.3201 / 441.6730, 1e-5)
+    assert IMAGE_REWARDS["named_colour"] is named_colour_reward
+    assert IMAGE_REWARDS["jpeg_compressibility"](["ignored"], red) == jpeg_compressibility(red)
+    with pytest.raises(ValueError, match="must name exactly one colour .* it names \\[\\]"):
+        prompt_colour("a reddish dog")
+    with pytest.raises(ValueError, match="it names \\['blue', 'red'\\]"):
+        prompt_colour("red and blue")
+    with pytest.raises(ValueError, match="1 prompts for 2 images"):
+        named_colour_reward(["a red image"], red)

@@ -67,3 +67,18 @@ def test_a_gradient_step_on_a_steps_log_prob_raises_it():
     with pytest.raises(ValueError, match=r"must lie in \[0, 4\)"):
         step_log_probs(model, traj, cond, [4])
     assert velocity(model, traj.latents[:, 0], 1.0, cond).shape == (2, 4, 8, 8)
+
+
+def test_the_ode_sampler_is_euler_on_the_velocity():
+    from miles.diffusion.sampler import sample_ode
+    from miles.diffusion.sde import ode_step
+
+    model = tiny_transformer().eval()
+    cond = conditioning(2, 1)
+    out = sample_ode(model, cond, latent_shape=(4, 8, 8), num_steps=3, generator=torch.Generator().manual_seed(5))
+    x = torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(5))
+    sigmas = flow_sigmas(3)
+    with torch.no_grad():
+        for i in range(3):
+            x = ode_step(x, velocity(model, x, sigmas[i], cond), sigmas[i], sigmas[i + 1])
+    assert torch.equal(out, x)

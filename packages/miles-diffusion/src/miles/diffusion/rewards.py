@@ -60,3 +60,53 @@ def colour_reward(images: np.ndarray | Tensor, target: Sequence[int]) -> list[fl
     pixels = _as_uint8(images).astype(np.float64)
     distance = np.linalg.norm(pixels - np.asarray(target, dtype=np.float64), axis=-1)  # [B, H, W]
     return [float(1.0 - d.mean() / (255 * np.sqrt(3))) for d in distance]
+
+
+# Colour words a prompt may name, as RGB (the tiny colour task's targets).
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (40, 70, 220),
+    "yellow": (235, 215, 40),
+    "purple": (140, 50, 180),
+    "orange": (245, 140, 30),
+    "white": (245, 245, 245),
+    "black": (15, 15, 15),
+}
+
+
+def prompt_colour(prompt: str) -> tuple[int, int, int]:
+    """The RGB of the one colour word of ``COLOURS`` in ``prompt`` (whole words, any case).
+
+    Raises: ValueError when the prompt names no colour of ``COLOURS`` or several different ones.
+    """
+    words = {word.strip(".,;:!?'\"").lower() for word in prompt.split()}
+    named = sorted(words & COLOURS.keys())
+    if len(named) != 1:
+        raise ValueError(f"prompt {prompt!r} must name exactly one colour of {sorted(COLOURS)}, it names {named}")
+    return COLOURS[named[0]]
+
+
+def named_colour_reward(prompts: Sequence[str], images: np.ndarray | Tensor) -> list[float]:
+    """``colour_reward`` of each image against the colour its prompt names (``prompt_colour``): a text-to-image
+    reward checked on pixels. Raises: ValueError as ``prompt_colour``, or for a prompt count unequal to the images'."""
+    images = _as_uint8(images)
+    if len(prompts) != len(images):
+        raise ValueError(f"{len(prompts)} prompts for {len(images)} images")
+    return [colour_reward(image[None], prompt_colour(prompt))[0] for prompt, image in zip(prompts, images)]
+
+
+def _ignore_prompts(fn):
+    def reward(prompts: Sequence[str], images: np.ndarray | Tensor) -> list[float]:
+        return fn(images)
+
+    reward.__doc__ = fn.__doc__
+    return reward
+
+
+# Built-in rewards by name: (prompts, images [B, H, W, 3] uint8) -> one float per image.
+IMAGE_REWARDS = {
+    "jpeg_compressibility": _ignore_prompts(jpeg_compressibility),
+    "jpeg_incompressibility": _ignore_prompts(jpeg_incompressibility),
+    "named_colour": named_colour_reward,
+}

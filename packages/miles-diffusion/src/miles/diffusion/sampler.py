@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from miles.diffusion.sde import sde_step
+from miles.diffusion.sde import ode_step, sde_step
 from torch import Tensor
 
 
@@ -136,6 +136,31 @@ def sample(
         latents.append(x)
         log_probs.append(step.log_prob)
     return Trajectories(latents=torch.stack(latents, dim=1), sigmas=sigmas, log_probs=torch.stack(log_probs, dim=1))
+
+
+@torch.no_grad()
+def sample_ode(
+    transformer: torch.nn.Module,
+    cond: Conditioning,
+    *,
+    latent_shape: Sequence[int],
+    num_steps: int,
+    shift: float = 3.0,
+    uncond: Conditioning | None = None,
+    guidance_scale: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Sample with the deterministic flow ODE (Euler, ``ode_step``): the evaluation sampler, as Flow-GRPO evaluates.
+
+    Args: as ``sample``. Returns: the final latents [B, C, H, W] float32.
+    """
+    device = cond.prompt_embeds.device
+    sigmas = flow_sigmas(num_steps, shift=shift).to(device)
+    x = torch.randn((cond.prompt_embeds.shape[0], *latent_shape), generator=generator, device=device)
+    for i in range(num_steps):
+        v = velocity(transformer, x, sigmas[i], cond, uncond=uncond, guidance_scale=guidance_scale)
+        x = ode_step(x, v, sigmas[i], sigmas[i + 1])
+    return x
 
 
 def step_log_probs(

@@ -1,0 +1,58 @@
+"""Flow-GRPO's settings (``miles.diffusion.trainer``): rollout, objective, optimizer. Frozen; unknown keys refused."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class FlowGRPOConfig(BaseModel):
+    """One Flow-GRPO step samples ``prompts_per_step`` x ``group_size`` images, rewards them, and trains the
+    transformer on their denoising steps in ``updates_per_rollout`` optimizer steps.
+
+    Defaults follow Flow-GRPO (arXiv:2505.05470, its SD3.5 configs) where they carry over to a small model: noise
+    level 0.7, SD3's shift 3, ratio clip 1e-4, advantages clipped at 5, group-normalized rewards.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompts_per_step: int = Field(4, gt=0, description="Prompts sampled per step.")
+    group_size: int = Field(8, ge=2, description="Images per prompt (the GRPO group).")
+    num_steps: int = Field(10, ge=2, description="Denoising steps when sampling (every one an SDE step).")
+    train_steps: int | None = Field(
+        None, gt=0, description="Denoising reduction: train on this many of the sampled steps (a random subset per "
+        "optimizer step, seeded); None trains on all of them."
+    )  # fmt: skip
+    noise_level: float = Field(0.7, gt=0, description="Flow-GRPO's SDE noise level a.")
+    shift: float = Field(3.0, gt=0, description="The schedule's shift (SD3: 3.0).")
+    guidance_scale: float = Field(1.0, ge=1.0, description="Classifier-free guidance (1.0 = off; the empty prompt "
+                                  "is the unconditional one).")  # fmt: skip
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient L2 norm.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup, in optimizer steps.")
+    clip_range: float = Field(1e-4, gt=0, description="PPO ratio clip on each side (Flow-GRPO: 1e-4).")
+    advantage_clip: float = Field(5.0, gt=0, description="Advantages are clipped to +- this.")
+    normalize_std: bool = Field(True, description="Divide by the group's reward std (GRPO); False: mean-centring.")
+    updates_per_rollout: int = Field(1, gt=0, description="Optimizer steps per rollout batch (mini-batches); "
+                                     "past the first, the ratio and its clip matter.")  # fmt: skip
+    micro_batch_size: int = Field(8, gt=0, description="Images per forward/backward (memory only).")
+    skip_nonfinite_steps: bool = Field(False, description="Skip an optimizer step with a non-finite loss or grad "
+                                       "norm instead of stopping.")  # fmt: skip
+    seed: int = Field(0, description="Seeds the noise of every rollout and the step subsets (exact resume).")
+
+    @model_validator(mode="after")
+    def _check(self) -> FlowGRPOConfig:
+        batch = self.prompts_per_step * self.group_size
+        if batch % self.updates_per_rollout:
+            raise ValueError(
+                f"updates_per_rollout ({self.updates_per_rollout}) must divide prompts_per_step x group_size "
+                f"({batch}) so every optimizer step sees as many images"
+            )
+        if self.train_steps is not None and self.train_steps > self.num_steps:
+            raise ValueError(f"train_steps ({self.train_steps}) must be at most num_steps ({self.num_steps})")
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        """Images per step."""
+        return self.prompts_per_step * self.group_size
