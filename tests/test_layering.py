@@ -11,7 +11,7 @@ ALLOWED = {
     "core": {"sync"},
     "rollout": {"core", "sync"},
     "train": {"core", "sync"},
-    "recipes": {"core", "rollout", "train", "sync"},
+    "recipes": {"core", "rollout", "train", "sync", "diffusion"},
     "diffusion": {"core", "train", "sync"},
 }
 

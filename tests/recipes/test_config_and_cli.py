@@ -2,6 +2,7 @@ import pytest
 import yaml
 from miles.recipes.cli import main, resolve_config
 from miles.recipes.config import MilesConfig
+from miles.recipes.diffusion import DiffusionConfig
 from miles.recipes.overrides import _section_members, apply_overrides, parse_overrides
 from miles.recipes.registry import load_recipe, recipe_names
 from pydantic import BaseModel
@@ -30,7 +31,8 @@ def test_every_shipped_recipe_validates(name, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
     overrides = ["--data.path", str(data)] if load_recipe(name).get("data", {}).get("source") == "file" else []
-    assert isinstance(resolve_config(name, overrides + REQUIRED.get(name, [])), MilesConfig)
+    schema = DiffusionConfig if load_recipe(name).get("kind") == "diffusion" else MilesConfig
+    assert isinstance(resolve_config(name, overrides + REQUIRED.get(name, [])), schema)
 
 
 def test_default_recipe_is_grpo_on_basic_arithmetic_with_8x8_rollouts():
@@ -288,7 +290,7 @@ def test_a_full_dump_of_a_resolved_recipe_validates_to_the_same_config(name, tmp
     """A run's config.yaml and `miles config show` list every field, including the defaults of features a recipe
     does not read (clip bounds of sft): they must validate again, unchanged (resume reads them)."""
     cfg = resolve_config(name, REQUIRED.get(name, []))
-    assert MilesConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))) == cfg
+    assert type(cfg).model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))) == cfg
 
 
 def test_a_key_of_an_off_section_turns_it_on_with_defaults_and_null_turns_it_off():

@@ -195,7 +195,8 @@ def restore_run_checkpoint(
 
 # -- export ---------------------------------------------------------------------------------------------
 def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
-    """Write the checkpoint's model as a plain HF directory (config, safetensors, tokenizer) at ``out``.
+    """Write the checkpoint's model as a plain HF directory (config, safetensors, tokenizer) at ``out``; a diffusion
+    run's model (``miles_tiny_flow.json`` + ``transformer/``, diffusers' layout) is copied as it is.
 
     The copy goes to a temporary sibling and is renamed into place, so ``out`` is complete or absent.
 
@@ -207,16 +208,20 @@ def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
     from safetensors.torch import load_file
 
     src, out = Path(checkpoint_dir) / "model", Path(out)
+    weights = src / "model.safetensors"
     missing = [f for f in ("config.json", "model.safetensors") if not (src / f).is_file()]
     if not any((src / f).is_file() for f in _TOKENIZER_FILES):
         missing.append("tokenizer.json")
+    if (src / "miles_tiny_flow.json").is_file():
+        weights = src / "transformer" / "diffusion_pytorch_model.safetensors"
+        missing = [] if weights.is_file() else ["transformer/diffusion_pytorch_model.safetensors"]
     if missing:
         raise FileNotFoundError(
             f"--checkpoint {checkpoint_dir}: {src} lacks {missing}; pass a runs/<name>/checkpoints/step_N directory"
         )
     if out.exists():
         raise FileExistsError(f"--out {out} already exists; pass a new directory (export never overwrites)")
-    bad = [name for name, t in load_file(src / "model.safetensors").items() if not torch.isfinite(t).all()]
+    bad = [name for name, t in load_file(weights).items() if not torch.isfinite(t).all()]
     if bad:
         raise ValueError(f"--checkpoint {checkpoint_dir}: weights {bad[:3]} hold NaN/inf; export an earlier step")
     out.parent.mkdir(parents=True, exist_ok=True)

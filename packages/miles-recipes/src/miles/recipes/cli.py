@@ -37,9 +37,10 @@ def _recorded(path: Path) -> dict:
     Raises: ValueError in one line when an older Miles wrote it in the flat layout, naming the key.
     """
     from miles.recipes.config import RENAMED_KEYS, flat_layout_key
+    from miles.recipes.diffusion import is_diffusion
 
     raw = yaml.safe_load(path.read_text()) or {}
-    key = flat_layout_key(raw)
+    key = None if is_diffusion(raw) else flat_layout_key(raw)
     if key is not None:
         raise ValueError(
             f"--resume: {path} was written by an older Miles (flat config layout: {key} is now {RENAMED_KEYS[key]}), "
@@ -50,14 +51,17 @@ def _recorded(path: Path) -> dict:
 
 
 def _validate(raw: dict, override_args: list[str]):
+    """A recipe's raw mapping + overrides -> ``MilesConfig``, or ``DiffusionConfig`` for ``kind: diffusion``."""
     from miles.recipes.config import MilesConfig
+    from miles.recipes.diffusion import DiffusionConfig, is_diffusion
     from miles.recipes.overrides import apply_overrides, format_validation_error, parse_overrides
     from pydantic import ValidationError
 
+    schema = DiffusionConfig if is_diffusion(raw) else MilesConfig
     try:
-        return MilesConfig.model_validate(apply_overrides(raw, parse_overrides(override_args)))
+        return schema.model_validate(apply_overrides(raw, parse_overrides(override_args)))
     except ValidationError as err:
-        raise ValueError(format_validation_error(err, MilesConfig)) from None
+        raise ValueError(format_validation_error(err, schema)) from None
 
 
 def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[Any, Path, Path | None]:
@@ -305,6 +309,7 @@ def _train(cfg: Any, run_dir: Path, checkpoint: Path | None, *, resumed: bool, o
     run that failed or was stopped in its first step) holds nothing to continue: a plain start replaces it.
     """
     from miles.recipes.checkpoint import load_run_state, read_latest
+    from miles.recipes.diffusion import DiffusionConfig, run_diffusion
     from miles.recipes.run import RunFailed, RunInputError, RunSetupError, run
     from miles.recipes.run_dir import completed_steps
 
@@ -335,7 +340,8 @@ def _train(cfg: Any, run_dir: Path, checkpoint: Path | None, *, resumed: bool, o
         logger.info("run %s has no checkpoint yet: starting it from step 0", run_dir.name)
         replace = True  # a previous attempt without a checkpoint is replaced
     try:
-        result = run(cfg, run_dir, resume_from=checkpoint, replace_existing=replace)
+        runner = run_diffusion if isinstance(cfg, DiffusionConfig) else run
+        result = runner(cfg, run_dir, resume_from=checkpoint, replace_existing=replace)
     except RunSetupError as err:
         return _fail(err)
     except RunInputError as err:  # one line, exit 2: the user's reward (train.log has the line too)
@@ -417,10 +423,19 @@ def resolve_eval_config(checkpoint: str | None, recipe: str | None, override_arg
 
     Raises: ValueError naming the flag and the fix.
     """
+    diffusion = ValueError(
+        "miles eval evaluates LLM runs; a diffusion run evaluates itself: eval/reward in its metrics.jsonl, the "
+        "images in its samples/ (--eval.interval N sets how often)"
+    )
     if checkpoint is None:
-        return resolve_config(recipe or DEFAULT_RECIPE, override_args)
+        cfg = resolve_config(recipe or DEFAULT_RECIPE, override_args)
+        if not hasattr(cfg, "models"):
+            raise diffusion
+        return cfg
     path = Path(checkpoint)
     model = path / "model"
+    if (model / "miles_tiny_flow.json").is_file():
+        raise diffusion
     if not (model / "config.json").is_file():
         raise ValueError(
             f"--checkpoint {checkpoint}: no model/config.json there; pass a runs/<name>/checkpoints/step_N directory"

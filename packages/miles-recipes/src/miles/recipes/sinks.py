@@ -287,12 +287,13 @@ class MultiSink:
             sink.close()
 
 
-def reward_figure(rows: list[dict[str, Any]]) -> Figure:
+def reward_figure(rows: list[dict[str, Any]], *, ylim: tuple[float, float] | None = (-0.05, 1.05)) -> Figure:
     """Train reward per step as a line with markers, eval reward as markers only (evals are sparse: a line would
     invent values for the steps between them), integer step ticks.
 
     Args:
         rows: ``metrics.jsonl`` rows, ``{"step": k, "reward/mean": ..., "eval/reward": ...}`` (keys optional).
+        ylim: the reward axis' range; None fits the data (rewards outside [0, 1], e.g. JPEG sizes in kB).
     """
     from matplotlib.figure import Figure
 
@@ -303,14 +304,15 @@ def reward_figure(rows: list[dict[str, Any]]) -> Figure:
     _draw_panel(ax, rows, series)
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
-    ax.set_ylim(-0.05, 1.05)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     fig.tight_layout()
     return fig
 
 
-def plot_rewards(metrics_path: Path, out_path: Path) -> None:
+def plot_rewards(metrics_path: Path, out_path: Path, *, ylim: tuple[float, float] | None = (-0.05, 1.05)) -> None:
     """Write ``reward_figure`` of a ``metrics.jsonl`` as a PNG, atomically (a temp file, then renamed)."""
-    _save_atomic(reward_figure(read_metrics(metrics_path)), Path(out_path))
+    _save_atomic(reward_figure(read_metrics(metrics_path), ylim=ylim), Path(out_path))
 
 
 # Line styles: a per-step metric as a line with markers; an eval metric as markers only (evals are sparse).

@@ -1,0 +1,329 @@
+"""``miles train`` for text-to-image flow models: recipes with ``kind: diffusion`` train with Flow-GRPO
+(``miles.diffusion.trainer``) and write the run directory the LLM runs write::
+
+    config.yaml  metrics.jsonl  train.log  reward.png
+    samples/step_N.png           the held-out eval images at step N (a grid: one row per eval prompt)
+    checkpoints/step_N/          model/ (the flow model), optimizer.pt, run_state.json, rng_rank0.json, config.yaml
+    checkpoints/latest
+
+Checkpoints are published whole or not at all (``miles.recipes.checkpoint``); Ctrl-C finishes the step, saves and
+stops, and ``miles train --run.name NAME --resume`` continues exactly (the rollout noise depends only on the seed and
+the step). Only the tiny twin (``tiny-flow``, ``miles.diffusion.models``) runs today; diffusers pipelines such as
+SD3.5 need their text encoders and VAE wired in (not done).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import yaml
+from miles.diffusion.config import FlowGRPOConfig
+from miles.diffusion.models import FlowModel, load_tiny_flow_model, save_tiny_flow_model, tiny_flow_model
+from miles.diffusion.rewards import IMAGE_REWARDS, prompt_colour
+from miles.diffusion.trainer import FlowGRPOTrainer, ImageReward, RewardFailed
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+TINY_FLOW = "tiny-flow"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FlowModelConfig(_Section):
+    """The flow model trained."""
+
+    path: str = Field(TINY_FLOW, description=f"'{TINY_FLOW}' (the random tiny twin) or a directory holding one (a "
+                      "checkpoint's model/).")  # fmt: skip
+    seed: int = Field(0, description=f"Seeds {TINY_FLOW}'s random weights.")
+
+
+class ImageRewardConfig(_Section):
+    """The reward of each image: a built-in one by name, or a function of yours."""
+
+    name: Literal["jpeg_compressibility", "jpeg_incompressibility", "named_colour"] | None = Field(
+        "jpeg_compressibility",
+        description="jpeg_compressibility / jpeg_incompressibility: minus / plus the JPEG size in kB (DDPO); "
+        "named_colour: how close the pixels are to the colour the prompt names (red, green, blue, yellow, ...).",
+    )
+    path: str = Field("", description="module:function or file.py:function, (prompts, images [B, H, W, 3] uint8 "
+                      "numpy) -> B floats; replaces reward.name.")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _one(self) -> ImageRewardConfig:
+        from miles.core.plugins import check_plugin_path
+
+        check_plugin_path("reward.path", self.path, "my_rewards.py:score")
+        if not self.path and self.name is None:
+            raise ValueError("reward: set reward.name (a built-in reward) or reward.path (module:function)")
+        return self
+
+
+class PromptsConfig(_Section):
+    """The prompts: each step takes algorithm.prompts_per_step of them in order, wrapping around."""
+
+    prompts: list[str] = Field(default_factory=list, min_length=1, description="Training prompts.")
+
+
+class FlowEvalConfig(_Section):
+    """Held-out evaluation: one deterministic (ODE) image per eval prompt from noise no training step draws."""
+
+    prompts: list[str] = Field(default_factory=list, description="Eval prompts; empty = the training prompts.")
+    images_per_prompt: int = Field(4, ge=1, description="Images per eval prompt (a row of the samples grid).")
+    interval: int = Field(10, ge=0, description="Evaluate every N steps (and at step 0 and the end); 0 = never.")
+    seed: int = Field(1_000_000_007, description="The eval noise's seed (apart from algorithm.seed's streams).")
+
+
+class FlowLoopConfig(_Section):
+    """How long, and how often to save."""
+
+    num_steps: int = Field(40, ge=1, description="Flow-GRPO steps (each: sample, reward, train, push weights).")
+    save_interval: int = Field(10, ge=0, description="Checkpoint every N steps (and after the last; Ctrl-C also "
+                               "saves); 0 = only at the end.")  # fmt: skip
+    keep_checkpoints: int = Field(2, ge=0, description="Checkpoints kept (0 = all).")
+
+
+class FlowRunConfig(_Section):
+    """Outputs and process settings."""
+
+    name: str = Field("", description="Run directory name under run.dir; empty = '<recipe>-<timestamp>'.")
+    dir: str = Field("runs", description="Parent directory of run directories.")
+    num_threads: int | None = Field(None, ge=1, description="torch threads (None: torch's default).")
+    progress: bool = Field(True, description="Show a console progress bar with the key metrics.")
+
+
+class DiffusionConfig(_Section):
+    """A ``kind: diffusion`` recipe: Flow-GRPO on a text-to-image flow model."""
+
+    kind: Literal["diffusion"] = Field("diffusion", description="Marks a diffusion recipe.")
+    description: str = Field("", description="One line for `miles recipes list`.")
+    model: FlowModelConfig = Field(default_factory=FlowModelConfig, description="The flow model.")
+    algorithm: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig, description="Flow-GRPO's settings.")
+    reward: ImageRewardConfig = Field(default_factory=ImageRewardConfig, description="The image reward.")
+    data: PromptsConfig = Field(description="The training prompts.")
+    eval: FlowEvalConfig = Field(default_factory=FlowEvalConfig, description="Held-out evaluation.")
+    loop: FlowLoopConfig = Field(default_factory=FlowLoopConfig, description="Steps and checkpoints.")
+    run: FlowRunConfig = Field(default_factory=FlowRunConfig, description="Outputs and process settings.")
+
+
+def is_diffusion(raw: dict[str, Any]) -> bool:
+    """Whether a recipe's raw mapping is a diffusion recipe (``kind: diffusion``)."""
+    return raw.get("kind") == "diffusion"
+
+
+class _PromptCycle:
+    """The training prompts in order, wrapping around; its position is checkpointed (``DataSource``'s state)."""
+
+    def __init__(self, prompts: list[str]) -> None:
+        self.prompts, self.position = prompts, 0
+
+    def take(self, n: int) -> list[str]:
+        out = [self.prompts[(self.position + i) % len(self.prompts)] for i in range(n)]
+        self.position += n
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+class _CheckpointedTrainer:
+    """The trainer as ``save_run_checkpoint`` / ``restore_run_checkpoint`` see a backend: ``model/`` (the flow model
+    directory, loadable by ``load_tiny_flow_model``), ``optimizer.pt`` (tensors and numbers: weights_only loads)."""
+
+    def __init__(self, trainer: FlowGRPOTrainer, model: FlowModel, seed: int) -> None:
+        self.trainer, self.model, self.seed = trainer, model, seed
+
+    def save(self, directory: Path) -> None:
+        for name, tensor in self.trainer.policy.state_dict().items():
+            if not bool(torch.isfinite(tensor).all()):
+                raise FloatingPointError(f"the transformer's {name} is not finite: not saving it")
+        save_tiny_flow_model(self.model, Path(directory) / "model", seed=self.seed)
+        state = self.trainer.state_dict()
+        del state["transformer"]
+        torch.save(state, Path(directory) / "optimizer.pt")
+
+    def load(self, directory: Path) -> None:
+        loaded = load_tiny_flow_model(Path(directory) / "model")
+        optimizer_path = Path(directory) / "optimizer.pt"
+        state = torch.load(optimizer_path, weights_only=True)
+        self.trainer.load_state_dict({**state, "transformer": loaded.transformer.state_dict()})
+
+
+def build_reward(cfg: DiffusionConfig) -> ImageReward:
+    """The reward named by ``cfg.reward``. Raises: ValueError / ImportError / TypeError naming reward.path."""
+    from miles.core.plugins import load_plugin
+
+    if cfg.reward.path:
+        return load_plugin(cfg.reward.path, key="reward.path", num_positional=2)
+    if cfg.reward.name == "named_colour":  # every prompt must name its colour: say which does not, before training
+        for key, prompts in (("data.prompts", cfg.data.prompts), ("eval.prompts", cfg.eval.prompts)):
+            for prompt in prompts:
+                try:
+                    prompt_colour(prompt)
+                except ValueError as err:
+                    raise ValueError(f"{key}: {err} (reward.name is named_colour)") from None
+    return IMAGE_REWARDS[cfg.reward.name]
+
+
+def build_model(cfg: DiffusionConfig) -> FlowModel:
+    """The flow model of ``cfg.model``. Raises: ValueError naming model.path when it is neither the tiny twin nor a
+    directory holding one."""
+    if cfg.model.path == TINY_FLOW:
+        return tiny_flow_model(seed=cfg.model.seed)
+    path = Path(cfg.model.path)
+    if not (path / "miles_tiny_flow.json").is_file():
+        raise ValueError(
+            f"model.path {cfg.model.path!r} is neither {TINY_FLOW!r} nor a flow model directory (a checkpoint's "
+            "model/, holding miles_tiny_flow.json); other diffusers models are not supported yet"
+        )
+    return load_tiny_flow_model(path)
+
+
+def image_grid(images: np.ndarray, *, columns: int) -> np.ndarray:
+    """Tile images [N, H, W, 3] uint8 into a grid [rows * (H + 2), columns * (W + 2), 3] with a 2-pixel white
+    border after each image; N need not fill the last row (white)."""
+    n, h, w, _ = images.shape
+    rows = math.ceil(n / columns)
+    grid = np.full((rows * (h + 2), columns * (w + 2), 3), 255, dtype=np.uint8)
+    for i, image in enumerate(images):
+        r, c = divmod(i, columns)
+        grid[r * (h + 2) : r * (h + 2) + h, c * (w + 2) : c * (w + 2) + w] = image
+    return grid
+
+
+def save_png(pixels: np.ndarray, path: Path, *, scale: int = 4) -> None:
+    """Write an RGB uint8 array as a PNG, each pixel ``scale`` x ``scale`` (tiny images stay visible); temp file,
+    then renamed."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image = Image.fromarray(pixels).resize((pixels.shape[1] * scale, pixels.shape[0] * scale), Image.NEAREST)
+    tmp = path.with_name(f".{path.name}.tmp")
+    image.save(tmp, format="PNG")
+    tmp.replace(path)
+
+
+def run_diffusion(
+    cfg: DiffusionConfig, run_dir: Path, *, resume_from: Path | None = None, replace_existing: bool = False
+):
+    """Train per ``cfg`` (module docstring) and return ``miles.recipes.run.RunResult``.
+
+    Raises: RunSetupError for a model or reward that cannot be built (nothing written yet); RunInputError when the
+    reward fails on the images; KeyboardInterrupt on a second Ctrl-C (the last checkpoint stays).
+    """
+    from miles.recipes.checkpoint import restore_run_checkpoint, save_run_checkpoint, write_atomic
+    from miles.recipes.interrupts import StopRequest
+    from miles.recipes.run import (
+        RunInputError,
+        RunResult,
+        RunSetupError,
+        _drop_metrics_after,
+        _remove_run_dir,
+        _run_log,
+    )
+    from miles.recipes.sinks import ConsoleSink, JsonlSink, plot_rewards
+
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    with _run_log(run_dir) as start_log:
+        try:
+            reward = build_reward(cfg)
+            model = build_model(cfg)
+        except (ValueError, ImportError, AttributeError, TypeError, OSError) as err:
+            raise RunSetupError(" ".join(str(err).split())) from err
+        trainer = FlowGRPOTrainer(model, cfg.algorithm, reward)
+        prompts = _PromptCycle(list(cfg.data.prompts))
+        eval_prompts = list(cfg.eval.prompts or cfg.data.prompts)
+        checkpointed = _CheckpointedTrainer(trainer, model, cfg.model.seed)
+        if replace_existing and run_dir.is_dir():
+            _remove_run_dir(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        start_log()
+        config_dict = cfg.model_dump(mode="json")
+        write_atomic(run_dir / "config.yaml", yaml.safe_dump(config_dict, sort_keys=False))
+        checkpoints = run_dir / "checkpoints"
+        saved: list[Path] = []
+        start_step = 0
+        if resume_from is not None:
+            state = restore_run_checkpoint(Path(resume_from), backend=checkpointed, data_source=prompts)
+            start_step = state.step
+            _drop_metrics_after(run_dir / "metrics.jsonl", start_step)
+            saved.append(Path(resume_from))
+            logger.info(
+                "resumed from %s at step %d (weights v%d)", resume_from, start_step, trainer.receiver.weight_version
+            )
+        console = ConsoleSink(cfg.loop.num_steps, initial=start_step, enabled=cfg.run.progress)
+        jsonl = JsonlSink(run_dir / "metrics.jsonl")
+        stop = StopRequest()
+
+        def log(metrics: dict[str, float], step: int) -> None:
+            jsonl.log(metrics, step)
+            console.log(metrics, step)
+
+        def evaluate(step: int) -> None:
+            rows = [p for p in eval_prompts for _ in range(cfg.eval.images_per_prompt)]
+            score, images = trainer.evaluate(rows, seed=cfg.eval.seed)
+            save_png(image_grid(images, columns=cfg.eval.images_per_prompt), run_dir / "samples" / f"step_{step}.png")
+            log({"eval/reward": score}, step)
+
+        def save(step: int) -> None:
+            with stop.protect():
+                saved.append(
+                    save_run_checkpoint(
+                        checkpoints,
+                        step,
+                        backend=checkpointed,
+                        data_source=prompts,
+                        weight_version=trainer.receiver.weight_version,
+                        config=config_dict,
+                        keep=cfg.loop.keep_checkpoints,
+                    )  # fmt: skip
+                )
+            logger.info("saved checkpoint %s", saved[-1])
+
+        step = start_step
+        try:
+            with stop:
+                if start_step == 0 and cfg.eval.interval:
+                    evaluate(0)
+                while step < cfg.loop.num_steps and not stop():
+                    t0 = time.perf_counter()
+                    try:
+                        metrics = trainer.step(prompts.take(cfg.algorithm.prompts_per_step))
+                    except RewardFailed as err:
+                        raise RunInputError(f"reward ({cfg.reward.path or cfg.reward.name}): {err}") from err
+                    step += 1
+                    metrics["time/step"] = time.perf_counter() - t0
+                    log(metrics, step)
+                    last = step == cfg.loop.num_steps
+                    if cfg.eval.interval and (step % cfg.eval.interval == 0 or last):
+                        evaluate(step)
+                    if last or stop() or (cfg.loop.save_interval and step % cfg.loop.save_interval == 0):
+                        save(step)
+        finally:
+            jsonl.close()
+            console.close()
+            if (run_dir / "metrics.jsonl").stat().st_size:
+                with contextlib.suppress(Exception):  # a plot must not hide how the run ended
+                    plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png", ylim=None)
+        if step < cfg.loop.num_steps:
+            logger.info("stopped by %s after step %d of %d", stop.requested, step, cfg.loop.num_steps)
+    return RunResult(
+        run_dir=run_dir,
+        steps_done=step,
+        num_steps=cfg.loop.num_steps,
+        checkpoint=saved[-1] if saved else None,
+        stopped_by=stop.requested if step < cfg.loop.num_steps else None,
+    )

@@ -1,0 +1,145 @@
+"""``miles train`` on a diffusion recipe (``kind: diffusion``, ``miles.recipes.diffusion``): the run directory, exact
+resume, Ctrl-C, bad input in one line, and (slow) the shipped tiny recipe raising held-out JPEG compressibility."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from miles.recipes.cli import main, resolve_config
+from miles.recipes.diffusion import DiffusionConfig, image_grid
+
+RECIPE = "tiny_flow_grpo_compressibility"
+# 2 prompts x 2 images, 3 denoising steps: ~0.1 s a step
+SMALL = ["--algorithm.prompts-per-step", "2", "--algorithm.group-size", "2", "--algorithm.num-steps", "3",
+         "--eval.images-per-prompt", "1", "--run.progress", "false"]  # fmt: skip
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def transformer_weights(checkpoint):
+    from safetensors.torch import load_file
+
+    return load_file(checkpoint / "model" / "transformer" / "diffusion_pytorch_model.safetensors")
+
+
+def train(tmp_path, name, *extra):
+    return main(["train", "--recipe", RECIPE, "--run.dir", str(tmp_path), "--run.name", name, *SMALL, *extra])
+
+
+def test_the_recipe_resolves_to_a_diffusion_config():
+    cfg = resolve_config(RECIPE, [])
+    assert isinstance(cfg, DiffusionConfig) and cfg.reward.name == "jpeg_compressibility"
+    assert cfg.algorithm.batch_size == 32 and cfg.loop.num_steps == 30
+
+
+def test_a_run_writes_metrics_samples_checkpoints_and_the_reward_plot(tmp_path):
+    assert train(tmp_path, "a", "--loop.num-steps", "3", "--loop.save-interval", "2", "--eval.interval", "2") == 0
+    run = tmp_path / "a"
+    logged = rows(run)
+    assert [r["step"] for r in logged if "eval/reward" in r] == [0, 2, 3]
+    train_rows = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    assert all(r["train_rollout_logprob_max_abs_diff"] < 1e-5 for r in train_rows)  # miles.sync kept the copy equal
+    assert [r["weight_version"] for r in train_rows] == [2, 3, 4]
+    assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_0.png", "step_2.png", "step_3.png"]
+    assert (run / "reward.png").stat().st_size > 0 and (run / "train.log").is_file()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_3"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_2", "step_3"]
+    state = json.loads((run / "checkpoints" / "step_3" / "run_state.json").read_text())
+    assert state["step"] == 3 and state["weight_version"] == 4 and state["data_source"] == {"position": 6}
+    # the checkpoint's model directory is a flow model: export copies it, and a run can start from it
+    assert main(["export", "--checkpoint", str(run / "checkpoints" / "step_3"), "--out", str(tmp_path / "x")]) == 0
+    assert train(tmp_path, "b", "--loop.num-steps", "1", "--model.path", str(tmp_path / "x")) == 0
+    assert main(["eval", "--checkpoint", str(run / "checkpoints" / "step_3")]) == 2
+
+
+def test_resume_continues_exactly(tmp_path):
+    assert train(tmp_path, "straight", "--loop.num-steps", "4", "--algorithm.updates-per-rollout", "2") == 0
+    assert train(tmp_path, "split", "--loop.num-steps", "2", "--algorithm.updates-per-rollout", "2") == 0
+    assert main(["train", "--run.dir", str(tmp_path), "--run.name", "split", "--resume", "--loop.num-steps", "4"]) == 0
+    straight, split = rows(tmp_path / "straight"), rows(tmp_path / "split")
+    steps = [r for r in straight if "loss" in r]
+    assert [r["step"] for r in steps] == [r["step"] for r in split if "loss" in r] == [1, 2, 3, 4]
+    for a, b in zip(steps, [r for r in split if "loss" in r]):
+        for key in ("reward/mean", "loss", "grad_norm", "approx_kl", "weight_version"):
+            assert a[key] == b[key], (a["step"], key)
+    evals = {r["step"]: r["eval/reward"] for r in split if "eval/reward" in r}  # the first run's end evaluated at 2
+    assert evals == {0: evals[0], 2: evals[2], 4: straight[-1]["eval/reward"]} and straight[-1]["step"] == 4
+    final_a = transformer_weights(tmp_path / "straight" / "checkpoints" / "step_4")
+    final_b = transformer_weights(tmp_path / "split" / "checkpoints" / "step_4")
+    assert all(torch.equal(final_a[name], final_b[name]) for name in final_a)
+
+
+def test_ctrl_c_finishes_the_step_saves_and_the_run_continues(tmp_path, monkeypatch):
+    plugin = tmp_path / "interrupting.py"
+    plugin.write_text(
+        "import os, signal\ncalls = []\n"
+        "def reward(prompts, images):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return [float(i) for i in range(len(images))]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    code = train(tmp_path, "c", "--loop.num-steps", "5", "--reward.path", f"{plugin}:reward", "--eval.interval", "0")
+    assert code == 130
+    run = tmp_path / "c"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"  # the step in progress finished, saved
+    assert [r["step"] for r in rows(run)] == [1, 2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert main(["train", "--run.dir", str(tmp_path), "--run.name", "c", "--resume"]) == 0
+    assert [r["step"] for r in rows(run)] == [1, 2, 3, 4, 5]
+    assert os.path.isdir(run / "checkpoints" / "step_5")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--algorithm.lora", "true"], "algorithm.lora"),
+        (["--algorithm.train-steps", "9"], r"train_steps \(9\) must be at most num_steps \(3\)"),
+        (["--reward.path", "no_colon"], "reward.path is 'no_colon'; expected module:attr"),
+        (["--model.path", "/nonexistent"], "model.path '/nonexistent' is neither 'tiny-flow' nor a flow model"),
+        (["--reward.name", "named_colour", "--eval.prompts", "['a dog']"], "eval.prompts: prompt 'a dog' must name"),
+        (["--reward.path", "nowhere_module:score"], "reward.path"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_field(tmp_path, capsys, extra, message):
+    assert train(tmp_path, "bad", "--loop.num-steps", "1", *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert pytest.importorskip("re").search(message, err[0]), err[0]
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_a_reward_that_fails_during_training_is_one_line(tmp_path, capsys):
+    plugin = tmp_path / "broken.py"
+    plugin.write_text("def reward(prompts, images):\n    return [1.0]\n")
+    assert train(tmp_path, "r", "--loop.num-steps", "2", "--reward.path", f"{plugin}:reward") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reward must return 4 finite floats" in err[0], err
+
+
+def test_image_grid_tiles_rows_with_borders():
+    images = np.stack([np.full((2, 2, 3), v, dtype=np.uint8) for v in (10, 20, 30)])
+    grid = image_grid(images, columns=2)
+    assert grid.shape == (2 * 4, 2 * 4, 3)
+    assert (grid[0:2, 0:2] == 10).all() and (grid[0:2, 4:6] == 20).all() and (grid[4:6, 0:2] == 30).all()
+    assert (grid[4:6, 4:6] == 255).all() and (grid[2:4] == 255).all()  # the empty cell and the borders are white
+
+
+@pytest.mark.slow
+def test_the_shipped_recipe_raises_held_out_compressibility(tmp_path):
+    """Flow-GRPO's acceptance on the CPU: 30 steps of the shipped recipe (~1 min on 2 cores) raise the held-out
+    (ODE samples of unseen prompts and noise) JPEG compressibility by a clear margin; measured -0.948 -> -0.802 kB."""
+    assert main(["train", "--recipe", RECIPE, "--run.dir", str(tmp_path), "--run.name", "l", "--run.progress",
+                 "false"]) == 0  # fmt: skip
+    evals = {r["step"]: r["eval/reward"] for r in rows(tmp_path / "l") if "eval/reward" in r}
+    assert sorted(evals) == [0, 10, 20, 30]
+    assert evals[30] > evals[0] + 0.08, evals
+    assert (tmp_path / "l" / "reward.png").is_file()
+    assert {"step_0.png", "step_30.png"} <= {p.name for p in (tmp_path / "l" / "samples").iterdir()}
