@@ -156,3 +156,26 @@ def test_a_bad_reward_is_named():
 def test_the_config_refuses_what_cannot_run(fields, message):
     with pytest.raises(ValidationError, match=message):
         FlowGRPOConfig(**{**SMALL, **fields})
+
+
+def test_kl_to_the_starting_model_is_zero_first_and_pulls_back():
+    config = FlowGRPOConfig(**SMALL, kl_coef=0.5)
+    trainer = FlowGRPOTrainer(tiny_flow_model(seed=0), config, brightness)
+    first = trainer.step(PROMPTS)
+    assert first["kl"] == 0.0  # the policy starts at the reference
+    second = trainer.step(PROMPTS)
+    assert second["kl"] > 0
+    # the KL term is the closed form of the two Gaussian steps: recompute one by hand
+    from miles.diffusion.flow_grpo import gaussian_kl
+    from miles.diffusion.sampler import step_transition
+
+    rollout = trainer.rollout(PROMPTS, step=5)
+    cond = trainer.model.encode(rollout.prompts)
+    with torch.no_grad():
+        a = step_transition(trainer.policy, rollout.trajectories, cond, 1)
+        b = step_transition(trainer.reference, rollout.trajectories, cond, 1)
+    expected = ((a.mean - b.mean) ** 2 / (2 * a.scale**2)).flatten(1).mean(1)
+    assert torch.allclose(gaussian_kl(a.mean, b.mean, a.scale), expected)
+    assert bool((expected > 0).all())
+    plain = FlowGRPOTrainer(tiny_flow_model(seed=0), FlowGRPOConfig(**SMALL), brightness)
+    assert plain.reference is None and "kl" not in plain.step(PROMPTS)

@@ -3,11 +3,13 @@ resume, Ctrl-C, bad input in one line, and (slow) the shipped tiny recipe raisin
 
 import json
 import os
+import re
 import signal
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from miles.recipes.cli import main, resolve_config
 from miles.recipes.diffusion import DiffusionConfig, image_grid
 
@@ -31,10 +33,12 @@ def train(tmp_path, name, *extra):
     return main(["train", "--recipe", RECIPE, "--run.dir", str(tmp_path), "--run.name", name, *SMALL, *extra])
 
 
-def test_the_recipe_resolves_to_a_diffusion_config():
+def test_the_recipes_resolve_to_diffusion_configs():
     cfg = resolve_config(RECIPE, [])
     assert isinstance(cfg, DiffusionConfig) and cfg.reward.name == "jpeg_compressibility"
-    assert cfg.algorithm.batch_size == 32 and cfg.loop.num_steps == 30
+    assert cfg.algorithm.batch_size == 32 and cfg.loop.num_steps == 30 and cfg.algorithm.loss == "flow_grpo"
+    nft = resolve_config("tiny_flow_nft_compressibility", [])
+    assert nft.algorithm.loss == "diffusion_nft" and nft.model_copy(update={"algorithm": cfg.algorithm}) == cfg
 
 
 def test_a_run_writes_metrics_samples_checkpoints_and_the_reward_plot(tmp_path):
@@ -112,16 +116,54 @@ def test_bad_input_is_one_line_naming_the_field(tmp_path, capsys, extra, message
     assert train(tmp_path, "bad", "--loop.num-steps", "1", *extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0], err
-    assert pytest.importorskip("re").search(message, err[0]), err[0]
+    assert re.search(message, err[0]), err[0]
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 
-def test_a_reward_that_fails_during_training_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("body", "extra", "message"),
+    [  # at the step-0 evaluation (2 eval images), and in a training step (4 images)
+        (
+            "return [1.0]",
+            ["--eval.prompts", "[a, b]"],
+            "reward.path .*: the reward must return 2 finite floats, got \\[1.0\\]",
+        ),
+        ("return [1.0]", ["--eval.interval", "0"], "the reward must return 4 finite floats"),
+        ("raise RuntimeError('server down')", [], "the reward raised RuntimeError: server down"),
+        ("return ['a'] * len(images)", [], "the reward raised ValueError: could not convert"),
+        ("return [float('nan')] * len(images)", [], "must return 4 finite floats, got \\[nan, nan, nan, nan\\]"),
+    ],
+)
+def test_a_reward_that_fails_in_the_run_is_one_line(tmp_path, capsys, body, extra, message):
     plugin = tmp_path / "broken.py"
-    plugin.write_text("def reward(prompts, images):\n    return [1.0]\n")
-    assert train(tmp_path, "r", "--loop.num-steps", "2", "--reward.path", f"{plugin}:reward") == 2
+    plugin.write_text(f"def reward(prompts, images):\n    {body}\n")
+    assert train(tmp_path, "r", "--loop.num-steps", "2", "--reward.path", f"{plugin}:reward", *extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "reward must return 4 finite floats" in err[0], err
+    assert len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_resume_takes_overrides_of_the_diffusion_keys(tmp_path):
+    assert train(tmp_path, "o", "--loop.num-steps", "1", "--eval.interval", "0") == 0
+    args = ["train", "--run.dir", str(tmp_path), "--run.name", "o", "--resume", "--loop.num-steps", "2"]
+    assert main([*args, "--algorithm.lr", "0.002", "--run.progress", "false"]) == 0
+    recorded = yaml.safe_load((tmp_path / "o" / "config.yaml").read_text())
+    assert recorded["algorithm"]["lr"] == 0.002 and recorded["loop"]["num_steps"] == 2
+    assert [r["step"] for r in rows(tmp_path / "o")] == [1, 2]
+
+
+def test_a_reward_function_replaces_the_named_reward_and_its_signature_is_checked(tmp_path, capsys):
+    plugin = tmp_path / "rewards.py"
+    plugin.write_text("def one(images):\n    return []\n")
+    cfg = resolve_config(RECIPE, ["--reward.path", f"{plugin}:one"])
+    assert cfg.reward.name is None  # the config records what runs
+    assert train(tmp_path, "s", "--reward.path", f"{plugin}:one") == 2
+    err = capsys.readouterr().err.strip()
+    assert "must accept 2 positional argument(s)" in err and "expected (prompts: list[str], images: numpy" in err
+
+
+def test_export_of_a_missing_checkpoint_says_so(tmp_path, capsys):
+    assert main(["export", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_image_grid_tiles_rows_with_borders():
@@ -133,10 +175,12 @@ def test_image_grid_tiles_rows_with_borders():
 
 
 @pytest.mark.slow
-def test_the_shipped_recipe_raises_held_out_compressibility(tmp_path):
-    """Flow-GRPO's acceptance on the CPU: 30 steps of the shipped recipe (~1 min on 2 cores) raise the held-out
-    (ODE samples of unseen prompts and noise) JPEG compressibility by a clear margin; measured -0.948 -> -0.802 kB."""
-    assert main(["train", "--recipe", RECIPE, "--run.dir", str(tmp_path), "--run.name", "l", "--run.progress",
+@pytest.mark.parametrize("recipe", [RECIPE, "tiny_flow_nft_compressibility"])
+def test_the_shipped_recipes_raise_held_out_compressibility(tmp_path, recipe):
+    """The acceptance on the CPU: 30 steps of each shipped recipe (~1 min on 2 cores) raise the held-out (ODE
+    samples of unseen prompts and noise) JPEG compressibility by a clear margin; measured -0.948 -> -0.802 kB
+    (Flow-GRPO) and -0.948 -> -0.763 kB (DiffusionNFT)."""
+    assert main(["train", "--recipe", recipe, "--run.dir", str(tmp_path), "--run.name", "l", "--run.progress",
                  "false"]) == 0  # fmt: skip
     evals = {r["step"]: r["eval/reward"] for r in rows(tmp_path / "l") if "eval/reward" in r}
     assert sorted(evals) == [0, 10, 20, 30]

@@ -20,6 +20,7 @@ NESTED_ONLY = {
     "glm_5_grpo_gsm8k",
     "tiny_qwen3_vl_grpo_visual",  # vision-language RL (tests/recipes/test_vlm_run.py)
     "tiny_flow_grpo_compressibility",  # diffusion (tests/recipes/test_diffusion_run.py)
+    "tiny_flow_nft_compressibility",
     "smollm2_vl_grpo_visual",
 }
 # Changed on purpose since: the OPD recipe named the policy as its teacher (every advantage 0); now its user passes one.

@@ -185,7 +185,9 @@ def extension_point(key: str) -> ExtensionPoint | None:
     return EXTENSION_POINTS.get(re.sub(r"\[\d+\]$", "", key))
 
 
-def load_plugin(path: str, *, key: str, num_positional: int | None = None) -> Callable[..., Any]:
+def load_plugin(
+    path: str, *, key: str, num_positional: int | None = None, signature: str | None = None
+) -> Callable[..., Any]:
     """Import ``module:attr`` and return the callable, failing at start-up with the config key in the message.
 
     Args:
@@ -196,6 +198,8 @@ def load_plugin(path: str, *, key: str, num_positional: int | None = None) -> Ca
         key: the dotted config key that named it, e.g. "reward.path" (quoted in errors).
         num_positional: if given, the callable must accept this many positional arguments; default: the key's
             ``EXTENSION_POINTS`` entry, whose signature the errors quote.
+        signature: the signature the errors quote instead of the entry's (the same key in another schema, e.g. a
+            diffusion recipe's ``reward.path``).
     Raises: ValueError for a malformed path, ImportError/AttributeError naming the key (an error raised while the
         module runs, e.g. a SyntaxError, becomes an ImportError naming its file and line), TypeError for a
         non-callable or a wrong signature.
@@ -203,7 +207,9 @@ def load_plugin(path: str, *, key: str, num_positional: int | None = None) -> Ca
     point = extension_point(key)
     if num_positional is None and point is not None and point.num_positional:
         num_positional = point.num_positional
-    expected = f"; expected {point.signature}" if point is not None else ""
+    if signature is None and point is not None:
+        signature = point.signature
+    expected = f"; expected {signature}" if signature is not None else ""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -15,6 +17,12 @@ class FlowGRPOConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    loss: Literal["flow_grpo", "diffusion_nft"] = Field(
+        "flow_grpo",
+        description="flow_grpo: the clipped ratio of SDE step log-probs (arXiv:2505.05470). diffusion_nft: flow "
+        "matching on the sampled images split into implicit positive / negative policies by reward, no log-probs "
+        "(arXiv:2509.16117; CFG-free).",
+    )
     prompts_per_step: int = Field(4, gt=0, description="Prompts sampled per step.")
     group_size: int = Field(8, ge=2, description="Images per prompt (the GRPO group).")
     num_steps: int = Field(10, ge=2, description="Denoising steps when sampling (every one an SDE step).")
@@ -32,6 +40,21 @@ class FlowGRPOConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup, in optimizer steps.")
     clip_range: float = Field(1e-4, gt=0, description="PPO ratio clip on each side (Flow-GRPO: 1e-4).")
     advantage_clip: float = Field(5.0, gt=0, description="Advantages are clipped to +- this.")
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="flow_grpo: weight of the per-step KL to the run's starting model "
+        "(closed form between the two Gaussian steps; Flow-GRPO's beta); 0 = no reference.",
+    )
+    nft_beta: float = Field(
+        1.0,
+        gt=0,
+        description="diffusion_nft: b, the implicit policies' distance from the "
+        "sampling policy (1.0: the positive policy is the trained one).",
+    )
+    nft_reward_scale: float = Field(
+        1.0, gt=0, description="diffusion_nft: Z in r = 0.5 + 0.5 clip(A / Z, -1, 1), A the group-normalized advantage."
+    )
     normalize_std: bool = Field(True, description="Divide by the group's reward std (GRPO); False: mean-centring.")
     updates_per_rollout: int = Field(1, gt=0, description="Optimizer steps per rollout batch (mini-batches); "
                                      "past the first, the ratio and its clip matter.")  # fmt: skip
@@ -50,6 +73,10 @@ class FlowGRPOConfig(BaseModel):
             )
         if self.train_steps is not None and self.train_steps > self.num_steps:
             raise ValueError(f"train_steps ({self.train_steps}) must be at most num_steps ({self.num_steps})")
+        if self.loss == "diffusion_nft" and self.guidance_scale != 1.0:
+            raise ValueError("diffusion_nft trains CFG-free: set guidance_scale 1.0 (or loss flow_grpo)")
+        if self.loss == "diffusion_nft" and self.kl_coef > 0:
+            raise ValueError("kl_coef is flow_grpo's KL to a reference; diffusion_nft has none: set kl_coef 0")
         return self
 
     @property

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from miles.diffusion.sde import ode_step, sde_step
+from miles.diffusion.sde import SDEStep, ode_step, sde_step
 from torch import Tensor
 
 
@@ -163,6 +163,31 @@ def sample_ode(
     return x
 
 
+def step_transition(
+    transformer: torch.nn.Module,
+    trajectories: Trajectories,
+    cond: Conditioning,
+    step: int,
+    *,
+    noise_level: float = 0.7,
+    uncond: Conditioning | None = None,
+    guidance_scale: float = 1.0,
+) -> SDEStep:
+    """Sampled step ``step`` of each trajectory as a Gaussian transition under ``transformer``'s current weights (its
+    mean carries the gradient): the log-prob for the ratio, the mean and scale for a KL to a reference.
+
+    Args: as ``sample``; step: an index in [0, T). Returns: ``SDEStep`` with ``x_next`` the sampled outcome.
+    Raises: ValueError for a step out of range.
+    """
+    if not 0 <= step < trajectories.num_steps:
+        raise ValueError(f"step {step} must lie in [0, {trajectories.num_steps})")
+    sigmas = trajectories.sigmas
+    x = trajectories.latents[:, step]
+    v = velocity(transformer, x, sigmas[step], cond, uncond=uncond, guidance_scale=guidance_scale)
+    return sde_step(x, v, sigmas[step], sigmas[step + 1], noise_level=noise_level, sigma_max=float(sigmas[1]),
+                    x_next=trajectories.latents[:, step + 1])  # fmt: skip
+
+
 def step_log_probs(
     transformer: torch.nn.Module,
     trajectories: Trajectories,
@@ -180,14 +205,11 @@ def step_log_probs(
     Returns: [B, len(steps)] float32.
     Raises: ValueError for a step out of range.
     """
-    sigmas = trajectories.sigmas
     if any(not 0 <= i < trajectories.num_steps for i in steps):
         raise ValueError(f"steps {list(steps)} must lie in [0, {trajectories.num_steps})")
-    columns = []
-    for i in steps:
-        x = trajectories.latents[:, i]
-        v = velocity(transformer, x, sigmas[i], cond, uncond=uncond, guidance_scale=guidance_scale)
-        step = sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=noise_level, sigma_max=float(sigmas[1]),
-                        x_next=trajectories.latents[:, i + 1])  # fmt: skip
-        columns.append(step.log_prob)
+    columns = [
+        step_transition(transformer, trajectories, cond, i, noise_level=noise_level, uncond=uncond,
+                        guidance_scale=guidance_scale).log_prob
+        for i in steps
+    ]  # fmt: skip
     return torch.stack(columns, dim=1)

@@ -8,8 +8,13 @@ One step (Flow-GRPO, arXiv:2505.05470, Algorithm 1):
    every step's log-prob;
 2. decode and reward the images; GRPO advantages per group (``miles.core``'s ``grpo_advantages``);
 3. in ``updates_per_rollout`` mini-batches, recompute the log-probs of the trained steps (all, or a seeded random
-   subset: denoising reduction) with gradients, apply ``flow_grpo_loss`` and one guarded optimizer step each;
+   subset: denoising reduction) with gradients, apply ``flow_grpo_loss`` (plus ``kl_coef`` times the per-step KL to
+   the run's starting model) and one guarded optimizer step each;
 4. push the transformer's weights to the rollout copy (version v + 1).
+
+With ``loss: diffusion_nft`` step 3 is DiffusionNFT's instead (``miles.diffusion.nft``): flow matching on the
+sampled clean images at the trained steps' times, split by reward between implicit positive and negative policies
+around the rollout copy (the sampling policy); no log-probs are used.
 
 The trainer holds one process; FSDP2 across ranks and an SGLang-diffusion engine are not wired here yet.
 """
@@ -27,10 +32,11 @@ import numpy as np
 import torch
 from miles.core.algorithms.advantages import grpo_advantages
 from miles.diffusion.config import FlowGRPOConfig
-from miles.diffusion.flow_grpo import flow_grpo_loss
+from miles.diffusion.flow_grpo import flow_grpo_loss, gaussian_kl
 from miles.diffusion.models import FlowModel
+from miles.diffusion.nft import diffusion_nft_loss, forward_noised, optimality
 from miles.diffusion.rewards import to_uint8
-from miles.diffusion.sampler import Conditioning, Trajectories, sample, sample_ode, step_log_probs
+from miles.diffusion.sampler import Conditioning, Trajectories, sample, sample_ode, step_transition, velocity
 from miles.sync import InProcessTransport, WeightReceiver, WeightSender
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from torch import Tensor
@@ -85,6 +91,9 @@ class FlowGRPOTrainer:
         self.model, self.config, self.reward = model, config, reward
         self.policy = model.transformer.float().train()
         self.rollout_transformer = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        self.reference = None  # the run's starting weights, for flow_grpo's KL
+        if config.kl_coef > 0:
+            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
         self._rollout_tensors = dict(self.rollout_transformer.state_dict(keep_vars=True))
         self.receiver = WeightReceiver(apply_fn=self._load_rollout)
         self.sender = WeightSender(InProcessTransport(self.receiver), bucket_bytes=bucket_bytes, codec="identity")
@@ -127,15 +136,25 @@ class FlowGRPOTrainer:
         )  # fmt: skip
         with torch.no_grad():
             images = to_uint8(self.model.decode(trajectories.latents[:, -1]))
-        try:
-            rewards = torch.tensor([float(r) for r in self.reward(expanded, images)], dtype=torch.float32)
-        except Exception as err:  # the user's function: its message, not a traceback
-            raise RewardFailed(f"the reward raised {type(err).__name__}: {err}") from err
-        if rewards.shape != (len(expanded),) or not bool(torch.isfinite(rewards).all()):
-            raise RewardFailed(f"the reward must return {len(expanded)} finite floats, got {rewards.tolist()}")
+        rewards = self.score(expanded, images)
         group_index = torch.arange(len(prompts)).repeat_interleave(cfg.group_size)
         advantages = grpo_advantages(rewards, group_index, normalize_std=cfg.normalize_std)
         return Rollout(expanded, trajectories, images, rewards, advantages, self.receiver.weight_version)
+
+    def score(self, prompts: Sequence[str], images: np.ndarray) -> Tensor:
+        """The reward of each image, checked: [B] float32.
+
+        Raises: RewardFailed if the reward raises or returns other than one finite float per image.
+        """
+        try:
+            values = list(self.reward(list(prompts), images))
+            rewards = torch.tensor([float(r) for r in values], dtype=torch.float32)
+        except Exception as err:  # the user's function: its message, not a traceback
+            raise RewardFailed(f"the reward raised {type(err).__name__}: {err}") from err
+        if rewards.shape != (len(prompts),) or not bool(torch.isfinite(rewards).all()):
+            shown = rewards.tolist() if len(rewards) <= 8 else f"{len(rewards)} values"
+            raise RewardFailed(f"the reward must return {len(prompts)} finite floats, got {shown}")
+        return rewards
 
     def _train_steps(self, step: int, update: int) -> list[int]:
         cfg = self.config
@@ -147,16 +166,17 @@ class FlowGRPOTrainer:
     def train(self, rollout: Rollout, *, step: int) -> dict[str, float]:
         """Train on one rollout in ``updates_per_rollout`` optimizer steps, then publish the weights.
 
-        Returns: metrics (loss, clipfrac, approx_kl, grad_norm, and ``train_rollout_logprob_max_abs_diff``: the
-        largest |recomputed - sampled| log-prob of the first mini-batch, before any update; 0 up to fp32 when the
-        rollout copy holds the policy's weights).
+        Returns: metrics: ``loss``, ``grad_norm``; flow_grpo: ``clipfrac``, ``approx_kl``, ``kl`` (with a
+        reference) and ``train_rollout_logprob_max_abs_diff``, the largest |recomputed - sampled| log-prob of the
+        first mini-batch, before any update (0 up to fp32 when the rollout copy holds the policy's weights);
+        diffusion_nft: ``nft/positive_mse``, ``nft/negative_mse``.
         """
         cfg = self.config
         batch = len(rollout.prompts)
         per_update = batch // cfg.updates_per_rollout
         cond, uncond = self._conditions(rollout.prompts)
         traj = rollout.trajectories
-        sums: dict[str, float] = {"loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "grad_norm": 0.0}
+        sums: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0}
         log_prob_diff, applied = 0.0, 0
         for update in range(cfg.updates_per_rollout):
             steps = self._train_steps(step, update)
@@ -168,32 +188,70 @@ class FlowGRPOTrainer:
                 mb_uncond = uncond.rows(rows) if uncond is not None else None
                 weight = (rows.stop - rows.start) / per_update
                 for i in steps:  # one backward per denoising step: activations of one step at a time
-                    log_probs = step_log_probs(
-                        self.policy, mb_traj, mb_cond, [i], noise_level=cfg.noise_level, uncond=mb_uncond,
-                        guidance_scale=cfg.guidance_scale,
-                    )  # fmt: skip
-                    old = mb_traj.log_probs[:, [i]]
-                    if update == 0:
-                        log_prob_diff = max(log_prob_diff, float((log_probs.detach() - old).abs().max()))
-                    loss, metrics = flow_grpo_loss(
-                        log_probs, old, rollout.advantages[rows], torch.ones_like(old, dtype=torch.bool),
-                        clip_low=cfg.clip_range, clip_high=cfg.clip_range, advantage_clip=cfg.advantage_clip,
-                    )  # fmt: skip
+                    loss, metrics = self._step_loss(
+                        rollout, mb_traj, mb_cond, mb_uncond, rows, i, seed=(step, update, rows.start)
+                    )
+                    diff = metrics.pop("logprob_diff", None)
+                    if update == 0 and diff is not None:
+                        log_prob_diff = max(log_prob_diff, float(diff))
                     scale = weight / len(steps)
                     (loss * scale).backward()
                     loss_total += float(loss.detach()) * scale
-                    for key in ("clipfrac", "approx_kl"):
-                        sums[key] += float(metrics[key]) * scale / cfg.updates_per_rollout
+                    for key, value in metrics.items():
+                        sums[key] = sums.get(key, 0.0) + float(value) * scale / cfg.updates_per_rollout
             grad_norm, ok = guarded_step(
                 self.policy, self.optimizer, self.scheduler, loss=loss_total, grad_clip=cfg.grad_clip,
-                skip_nonfinite=cfg.skip_nonfinite_steps, step=step, what="transformer", lr_key="lr",
+                skip_nonfinite=cfg.skip_nonfinite_steps, step=step, what="transformer", lr_key="algorithm.lr",
             )  # fmt: skip
             applied += ok
             sums["loss"] += loss_total / cfg.updates_per_rollout
             sums["grad_norm"] += grad_norm / cfg.updates_per_rollout
         version = self.publish()
-        return {**sums, "train_rollout_logprob_max_abs_diff": log_prob_diff, "optimizer_steps": float(applied),
-                "weight_version": float(version)}  # fmt: skip
+        if cfg.loss == "flow_grpo":
+            sums["train_rollout_logprob_max_abs_diff"] = log_prob_diff
+        return {**sums, "optimizer_steps": float(applied), "weight_version": float(version)}
+
+    def _step_loss(
+        self,
+        rollout: Rollout,
+        traj: Trajectories,
+        cond: Conditioning,
+        uncond: Conditioning | None,
+        rows: slice,
+        i: int,
+        *,
+        seed: tuple[int, int, int],
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of denoising step ``i`` of the micro-batch ``rows`` (``config.loss``), and its metrics."""
+        cfg = self.config
+        advantages = rollout.advantages[rows]
+        if cfg.loss == "diffusion_nft":  # flow matching at the step's time on the sampled clean images
+            x0 = traj.latents[:, -1]
+            step, update, start = seed
+            generator = torch.Generator().manual_seed(cfg.seed * 104_729 + step * 8191 + update * 127 + start * 31 + i)
+            eps = torch.randn(x0.shape, generator=generator).to(x0.device)
+            sigma = traj.sigmas[i]
+            x_t, target = forward_noised(x0, sigma, eps)
+            with torch.no_grad():
+                v_old = velocity(self.rollout_transformer, x_t, sigma, cond)
+            v_theta = velocity(self.policy, x_t, sigma, cond)
+            r = optimality(advantages.clamp(-cfg.advantage_clip, cfg.advantage_clip), scale=cfg.nft_reward_scale)
+            return diffusion_nft_loss(v_theta, v_old, target, r, beta=cfg.nft_beta)
+        kwargs = dict(noise_level=cfg.noise_level, uncond=uncond, guidance_scale=cfg.guidance_scale)
+        current = step_transition(self.policy, traj, cond, i, **kwargs)
+        old = traj.log_probs[:, [i]]
+        kl = None
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = step_transition(self.reference, traj, cond, i, **kwargs)
+            kl = gaussian_kl(current.mean, reference.mean, current.scale)[:, None]
+        loss, metrics = flow_grpo_loss(
+            current.log_prob[:, None], old, advantages, torch.ones_like(old, dtype=torch.bool),
+            clip_low=cfg.clip_range, clip_high=cfg.clip_range, advantage_clip=cfg.advantage_clip,
+            kl=kl, kl_coef=cfg.kl_coef,
+        )  # fmt: skip
+        metrics["logprob_diff"] = (current.log_prob.detach()[:, None] - old).abs().max()
+        return loss, metrics
 
     def step(self, prompts: Sequence[str]) -> dict[str, float]:
         """One Flow-GRPO step (module docstring) on ``prompts``.
@@ -202,6 +260,8 @@ class FlowGRPOTrainer:
         ``train_rollout_logprob_max_abs_diff``, ``optimizer_steps``, ``weight_version``, ``time/*`` in s).
         Raises: RewardFailed (``rollout``).
         """
+        if not prompts:
+            raise ValueError("step needs at least one prompt")
         step = self.steps_done
         start = time.perf_counter()
         rollout = self.rollout(prompts, step=step)
@@ -222,7 +282,8 @@ class FlowGRPOTrainer:
     @torch.no_grad()
     def evaluate(self, prompts: Sequence[str], *, seed: int) -> tuple[float, np.ndarray]:
         """Mean reward of one ODE sample (deterministic given the noise) per prompt, from noise seeded by ``seed``
-        (held out: keep it apart from ``config.seed``). Returns: (mean reward, images [B, H, W, 3] uint8)."""
+        (held out: keep it apart from ``config.seed``). Returns: (mean reward, images [B, H, W, 3] uint8).
+        Raises: RewardFailed (``score``)."""
         cond, uncond = self._conditions(prompts)
         latents = sample_ode(
             self.rollout_transformer, cond, latent_shape=self.model.latent_shape, num_steps=self.config.num_steps,
@@ -230,7 +291,7 @@ class FlowGRPOTrainer:
             generator=torch.Generator().manual_seed(seed),
         )  # fmt: skip
         images = to_uint8(self.model.decode(latents))
-        rewards = [float(r) for r in self.reward(list(prompts), images)]
+        rewards = self.score(prompts, images).tolist()
         return (math.fsum(rewards) / len(rewards), images)
 
     def state_dict(self) -> dict[str, Any]:

@@ -208,6 +208,10 @@ def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
     from safetensors.torch import load_file
 
     src, out = Path(checkpoint_dir) / "model", Path(out)
+    if not Path(checkpoint_dir).is_dir():
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint_dir} does not exist; pass a runs/<name>/checkpoints/step_N directory"
+        )
     weights = src / "model.safetensors"
     missing = [f for f in ("config.json", "model.safetensors") if not (src / f).is_file()]
     if not any((src / f).is_file() for f in _TOKENIZER_FILES):

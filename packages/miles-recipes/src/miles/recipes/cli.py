@@ -78,16 +78,20 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
     from miles.recipes.checkpoint import read_latest
     from miles.recipes.overrides import parse_overrides
 
-    located = resolve_config(recipe, override_args)
+    # Where the run is: the overrides' run.name / run.dir over the recipe's; the overrides are validated against the
+    # run's own recorded config below (a diffusion run's keys are not the default recipe's).
+    parsed = parse_overrides(override_args)
+    located = resolve_config(recipe, []).run
+    run_name, parent = str(parsed.get("run.name", located.name) or ""), str(parsed.get("run.dir", located.dir))
     if resume == "latest":
-        if not located.run.name:
+        if not run_name:
             raise ValueError("--resume without a path needs --run.name NAME (the run to continue from its latest)")
-        run_dir = Path(located.run.dir) / located.run.name
+        run_dir = Path(parent) / run_name
         checkpoint = read_latest(run_dir / "checkpoints")
         recorded = run_dir / "config.yaml"
         if checkpoint is None and not recorded.is_file():
             raise ValueError(
-                f"--resume: there is no run {located.run.name!r} under {located.run.dir!r} (no config.yaml, no "
+                f"--resume: there is no run {run_name!r} under {parent!r} (no config.yaml, no "
                 "checkpoint); check --run.name and --run.dir, or start it without --resume"
             )
         if checkpoint is None:  # built and started, stopped before its first checkpoint: again from step 0
@@ -102,7 +106,7 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
             "runs/<name>/checkpoints/step_N directory"
         )
     cfg = _validate(_recorded(checkpoint / "config.yaml"), override_args)
-    named = "run.name" in parse_overrides(override_args)
+    named = "run.name" in parsed
     run_dir = Path(cfg.run.dir) / cfg.run.name if named else checkpoint.parent.parent
     return cfg, run_dir, checkpoint
 
@@ -126,6 +130,10 @@ common options (any config key works as --section.key VALUE; dashes or underscor
   --run.num-threads N                   torch threads (1 when another job shares the cores)
 a key inside an optional section turns it on (the rest at defaults); --SECTION null turns it off.
 
+diffusion recipes (kind: diffusion, e.g. tiny_flow_grpo_compressibility; docs/diffusion.md) have their own keys:
+  --algorithm.loss flow_grpo|diffusion_nft  --algorithm.lr LR  --algorithm.group-size N  --algorithm.num-steps N
+  --reward.name NAME | --reward.path module:function   --data.prompts '[...]'   --eval.interval N  --loop.num-steps N
+
 every key, its default and its description:  miles config show RECIPE
 shipped recipes:                             miles recipes list
 continue a run exactly:                      miles train --run.name NAME --resume
@@ -133,7 +141,9 @@ continue a run exactly:                      miles train --run.name NAME --resum
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="miles", description="Miles: RL post-training for LLMs.")
+    parser = argparse.ArgumentParser(
+        prog="miles", description="Miles: RL post-training for LLMs (and text-to-image flow models)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train",

@@ -1,5 +1,5 @@
-"""``miles train`` for text-to-image flow models: recipes with ``kind: diffusion`` train with Flow-GRPO
-(``miles.diffusion.trainer``) and write the run directory the LLM runs write::
+"""``miles train`` for text-to-image flow models: recipes with ``kind: diffusion`` train with Flow-GRPO or
+DiffusionNFT (``miles.diffusion.trainer``) and write the run directory the LLM runs write::
 
     config.yaml  metrics.jsonl  train.log  reward.png
     samples/step_N.png           the held-out eval images at step N (a grid: one row per eval prompt)
@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 logger = logging.getLogger(__name__)
 
 TINY_FLOW = "tiny-flow"
+REWARD_SIGNATURE = "(prompts: list[str], images: numpy uint8 [B, H, W, 3]) -> B floats"
 
 
 class _Section(BaseModel):
@@ -57,6 +58,13 @@ class ImageRewardConfig(_Section):
     )
     path: str = Field("", description="module:function or file.py:function, (prompts, images [B, H, W, 3] uint8 "
                       "numpy) -> B floats; replaces reward.name.")  # fmt: skip
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_replaces_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("path"):  # the config records what runs: the function, no name
+            data = {**data, "name": None}
+        return data
 
     @model_validator(mode="after")
     def _one(self) -> ImageRewardConfig:
@@ -102,12 +110,11 @@ class FlowRunConfig(_Section):
 
 
 class DiffusionConfig(_Section):
-    """A ``kind: diffusion`` recipe: Flow-GRPO on a text-to-image flow model."""
+    """A ``kind: diffusion`` recipe: Flow-GRPO or DiffusionNFT on a text-to-image flow model."""
 
     kind: Literal["diffusion"] = Field("diffusion", description="Marks a diffusion recipe.")
-    description: str = Field("", description="One line for `miles recipes list`.")
     model: FlowModelConfig = Field(default_factory=FlowModelConfig, description="The flow model.")
-    algorithm: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig, description="Flow-GRPO's settings.")
+    algorithm: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig, description="The loss and its settings.")
     reward: ImageRewardConfig = Field(default_factory=ImageRewardConfig, description="The image reward.")
     data: PromptsConfig = Field(description="The training prompts.")
     eval: FlowEvalConfig = Field(default_factory=FlowEvalConfig, description="Held-out evaluation.")
@@ -166,7 +173,7 @@ def build_reward(cfg: DiffusionConfig) -> ImageReward:
     from miles.core.plugins import load_plugin
 
     if cfg.reward.path:
-        return load_plugin(cfg.reward.path, key="reward.path", num_positional=2)
+        return load_plugin(cfg.reward.path, key="reward.path", num_positional=2, signature=REWARD_SIGNATURE)
     if cfg.reward.name == "named_colour":  # every prompt must name its colour: say which does not, before training
         for key, prompts in (("data.prompts", cfg.data.prompts), ("eval.prompts", cfg.eval.prompts)):
             for prompt in prompts:
@@ -300,10 +307,7 @@ def run_diffusion(
                     evaluate(0)
                 while step < cfg.loop.num_steps and not stop():
                     t0 = time.perf_counter()
-                    try:
-                        metrics = trainer.step(prompts.take(cfg.algorithm.prompts_per_step))
-                    except RewardFailed as err:
-                        raise RunInputError(f"reward ({cfg.reward.path or cfg.reward.name}): {err}") from err
+                    metrics = trainer.step(prompts.take(cfg.algorithm.prompts_per_step))
                     step += 1
                     metrics["time/step"] = time.perf_counter() - t0
                     log(metrics, step)
@@ -312,6 +316,10 @@ def run_diffusion(
                         evaluate(step)
                     if last or stop() or (cfg.loop.save_interval and step % cfg.loop.save_interval == 0):
                         save(step)
+        except RewardFailed as err:  # in a training step or an evaluation
+            raise RunInputError(
+                f"reward.{'path' if cfg.reward.path else 'name'} ({cfg.reward.path or cfg.reward.name}): {err}"
+            ) from err
         finally:
             jsonl.close()
             console.close()
