@@ -97,6 +97,14 @@ def tiny_vlm_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_sd3_dir(tmp_path_factory) -> Path:
+    """The random SD3.5-shaped diffusers pipeline ``tiny-sd3`` (``miles.recipes.models.tiny_sd3``)."""
+    from miles.recipes.models.tiny_sd3 import ensure_tiny_sd3
+
+    return ensure_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_vl_dir() -> Path:
     """SmolLM2-VL: SmolLM2-135M-Instruct under a random vision tower (Qwen2-VL), built once into the user cache."""
     from miles.recipes.models.smollm2_vl import ensure_smollm2_vl

@@ -8,8 +8,8 @@ import torch
 from miles.diffusion.config import FlowGRPOConfig
 from miles.diffusion.models import (
     ByteTextEncoder,
-    load_tiny_flow_model,
-    save_tiny_flow_model,
+    load_flow_model,
+    save_flow_model,
     tiny_flow_model,
 )
 from miles.diffusion.rewards import IMAGE_REWARDS
@@ -45,17 +45,17 @@ def test_the_tiny_twin_round_trips_through_its_directory(tmp_path):
     model = tiny_flow_model(seed=0)
     with torch.no_grad():
         next(model.transformer.parameters()).add_(0.5)  # a "trained" weight must come back
-    save_tiny_flow_model(model, tmp_path / "tiny", seed=0)
-    loaded = load_tiny_flow_model(tmp_path / "tiny")
+    save_flow_model(model, tmp_path / "tiny")
+    loaded = load_flow_model(tmp_path / "tiny")
     assert loaded.latent_shape == model.latent_shape == (3, 16, 16)
     for (name, a), (_, b) in zip(model.transformer.state_dict().items(), loaded.transformer.state_dict().items()):
         assert torch.equal(a, b), name
     assert torch.equal(loaded.encode(PROMPTS).pooled, model.encode(PROMPTS).pooled)
     assert not list(tmp_path.glob(".*tmp"))
     with pytest.raises(FileExistsError):
-        save_tiny_flow_model(model, tmp_path / "tiny", seed=0)
-    with pytest.raises(FileNotFoundError, match="miles_tiny_flow.json is missing"):
-        load_tiny_flow_model(tmp_path)
+        save_flow_model(model, tmp_path / "tiny")
+    with pytest.raises(FileNotFoundError, match="miles_flow.json is missing"):
+        load_flow_model(tmp_path)
 
 
 def test_a_step_syncs_the_rollout_copy_through_miles_sync():

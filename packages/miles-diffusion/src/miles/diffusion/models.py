@@ -1,8 +1,13 @@
-"""What the trainer and the sampler need from a text-to-image flow model, and the tiny CPU twin.
+"""What the trainer and the sampler need from a text-to-image flow model: the tiny CPU twin and diffusers' SD3 /
+SD3.5 pipelines.
 
 A ``FlowModel`` bundles the trained flow-matching transformer (SD3's call signature, ``miles.diffusion.sampler``)
 with the frozen parts around it: a prompt encoder (prompts -> ``Conditioning``) and a decoder (latents -> images in
 [-1, 1]). Only the transformer is trained and synced, as in Flow-GRPO and DDPO, whose text encoders and VAE stay frozen.
+
+``save_flow_model`` writes the transformer (diffusers' layout, ``transformer/``) and ``miles_flow.json``, what
+rebuilds the frozen parts (the tiny encoder's seed, or the pipeline directory the run started from);
+``load_flow_model`` reads it back.
 
 The tiny twin (``tiny_flow_model``) is random and needs no download: a 3-layer ``SD3Transformer2DModel`` (~0.43 M
 parameters) working directly on 16 x 16 RGB pixels (the "latent" is the image, the decoder the identity) and
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -78,12 +83,15 @@ class FlowModel:
         encode: prompts -> ``Conditioning`` (frozen, no grad).
         decode: latents [B, C, H, W] -> images [B, 3, H', W'] float in [-1, 1] (frozen, no grad).
         latent_shape: (C, H, W) of one latent.
+        source: what rebuilds ``encode`` / ``decode`` (``miles_flow.json``): {"kind": "tiny", ...} or
+            {"kind": "sd3", "pipeline": DIR, ...}.
     """
 
     transformer: nn.Module
     encode: Callable[[Sequence[str]], Conditioning]
     decode: Callable[[Tensor], Tensor]
     latent_shape: tuple[int, int, int]
+    source: dict = field(default_factory=dict)
 
 
 def _pixels(latents: Tensor) -> Tensor:
@@ -97,39 +105,137 @@ def tiny_flow_model(*, seed: int = 0) -> FlowModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = SD3Transformer2DModel(**TINY_TRANSFORMER)
-    encoder = ByteTextEncoder(**TINY_ENCODER, seed=seed + 1)
-    size = TINY_TRANSFORMER["sample_size"]
-    return FlowModel(transformer, encoder, _pixels, (TINY_TRANSFORMER["in_channels"], size, size))
+    return _tiny(transformer, {"kind": "tiny", "encoder": TINY_ENCODER, "encoder_seed": seed + 1})
 
 
-def save_tiny_flow_model(model: FlowModel, path: Path, *, seed: int) -> None:
-    """Write the twin's transformer (diffusers ``save_pretrained``: config + safetensors) and the encoder's seed.
+def _tiny(transformer: nn.Module, source: dict) -> FlowModel:
+    encoder = ByteTextEncoder(**source["encoder"], seed=source["encoder_seed"])
+    config = transformer.config
+    return FlowModel(
+        transformer, encoder, _pixels, (config.in_channels, config.sample_size, config.sample_size), source
+    )
+
+
+def sd3_flow_model(
+    pipeline_dir: Path | str, *, resolution: int | None = None, max_sequence_length: int = 256
+) -> FlowModel:
+    """A diffusers ``StableDiffusion3Pipeline`` directory (SD3, SD3.5) as a ``FlowModel``: its transformer (fp32, the
+    master copy), its CLIP / T5 encoders (``encode_prompt``, no CFG: the trainer encodes the empty prompt itself)
+    and its VAE (latents / scaling_factor + shift_factor -> ``vae.decode``), frozen. A pipeline saved without T5
+    (``text_encoder_3`` null) uses zeros for its part, as diffusers does.
+
+    Args:
+        pipeline_dir: a local pipeline directory (``model_index.json``); nothing is downloaded.
+        resolution: image side in pixels; default the transformer's ``sample_size`` x the VAE's scale factor.
+        max_sequence_length: T5 tokens per prompt.
+    Raises: ValueError when the directory holds no StableDiffusion3Pipeline or ``resolution`` does not divide into
+        patches.
+    """
+    import json as _json
+
+    from diffusers import StableDiffusion3Pipeline
+
+    pipeline_dir = Path(pipeline_dir)
+    index_path = pipeline_dir / "model_index.json"
+    index = _json.loads(index_path.read_text()) if index_path.is_file() else {}
+    if index.get("_class_name") != "StableDiffusion3Pipeline":
+        raise ValueError(
+            f"{pipeline_dir} is not a diffusers StableDiffusion3Pipeline directory (model_index.json's _class_name is "
+            f"{index.get('_class_name')!r})"
+        )
+    absent = {name: None for name, entry in index.items() if isinstance(entry, list) and entry[0] is None}
+    pipe = StableDiffusion3Pipeline.from_pretrained(pipeline_dir, dtype=torch.float32, **absent)
+    for part in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+        if part is not None:
+            part.eval().requires_grad_(False)
+    scale = pipe.vae_scale_factor
+    size = resolution if resolution is not None else pipe.transformer.config.sample_size * scale
+    patch = pipe.transformer.config.patch_size
+    if size % (scale * patch):
+        raise ValueError(f"resolution {size} must be a multiple of {scale * patch} (VAE scale x patch size)")
+
+    @torch.no_grad()
+    def encode(prompts: Sequence[str]) -> Conditioning:
+        prompts = list(prompts)
+        embeds, _, pooled, _ = pipe.encode_prompt(
+            prompts, prompts, prompts, do_classifier_free_guidance=False, max_sequence_length=max_sequence_length
+        )
+        return Conditioning(prompt_embeds=embeds.float(), pooled=pooled.float())
+
+    @torch.no_grad()
+    def decode(latents: Tensor) -> Tensor:
+        vae = pipe.vae
+        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(latents, return_dict=False)[0].float().clamp(-1, 1)
+
+    source = {"kind": "sd3", "pipeline": str(pipeline_dir.absolute()), "resolution": size,
+              "max_sequence_length": max_sequence_length}  # fmt: skip
+    latent_shape = (pipe.transformer.config.in_channels, size // scale, size // scale)
+    return FlowModel(pipe.transformer.float(), encode, decode, latent_shape, source)
+
+
+FLOW_META = "miles_flow.json"
+
+
+def save_flow_model(model: FlowModel, path: Path) -> None:
+    """Write the transformer (diffusers ``save_pretrained``: config + safetensors, under ``transformer/``) and
+    ``miles_flow.json`` (``model.source``: what rebuilds the frozen parts).
 
     The directory is written under a temporary name and renamed, so a reader never sees half of it.
-    Raises: FileExistsError if ``path`` exists.
+    Raises: FileExistsError if ``path`` exists; ValueError for a model without a ``source``.
     """
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} exists")
+    if not model.source:
+        raise ValueError("the model has no source (build it with tiny_flow_model or sd3_flow_model)")
     tmp = path.with_name(f".{path.name}.tmp")
     model.transformer.save_pretrained(tmp / "transformer")
-    (tmp / "miles_tiny_flow.json").write_text(json.dumps({"encoder": TINY_ENCODER, "encoder_seed": seed + 1}))
+    (tmp / FLOW_META).write_text(json.dumps(model.source, indent=2))
     tmp.rename(path)
 
 
-def load_tiny_flow_model(path: Path) -> FlowModel:
-    """Read what ``save_tiny_flow_model`` wrote (the transformer's trained weights, the same frozen encoder).
+def load_flow_model(path: Path) -> FlowModel:
+    """Read what ``save_flow_model`` wrote: the trained transformer, the frozen parts rebuilt from the source (the
+    tiny encoder from its seed; an SD3 pipeline's encoders and VAE from its directory, which must still exist).
 
-    Raises: FileNotFoundError naming the missing file.
+    Raises: FileNotFoundError naming the missing file or pipeline directory.
     """
     from diffusers import SD3Transformer2DModel
 
     path = Path(path)
-    meta_path = path / "miles_tiny_flow.json"
+    meta_path = path / FLOW_META
     if not meta_path.is_file():
-        raise FileNotFoundError(f"{path} is not a tiny flow model directory: {meta_path.name} is missing")
-    meta = json.loads(meta_path.read_text())
+        raise FileNotFoundError(f"{path} is not a flow model directory: {FLOW_META} is missing")
+    source = json.loads(meta_path.read_text())
     transformer = SD3Transformer2DModel.from_pretrained(path / "transformer")
-    encoder = ByteTextEncoder(**meta["encoder"], seed=meta["encoder_seed"])
-    config = transformer.config
-    return FlowModel(transformer, encoder, _pixels, (config.in_channels, config.sample_size, config.sample_size))
+    if source["kind"] == "tiny":
+        return _tiny(transformer, source)
+    if not Path(source["pipeline"]).is_dir():
+        raise FileNotFoundError(
+            f"{path}: the pipeline it was trained from, {source['pipeline']}, is gone (its text encoders and VAE "
+            "are read from there)"
+        )
+    model = sd3_flow_model(
+        source["pipeline"], resolution=source["resolution"], max_sequence_length=source["max_sequence_length"]
+    )
+    model.transformer.load_state_dict(transformer.state_dict())
+    return model
+
+
+def export_pipeline(model: FlowModel, out: Path) -> None:
+    """Write an SD3 model as a whole diffusers pipeline directory (its pipeline with the trained transformer), so
+    ``StableDiffusion3Pipeline.from_pretrained(out)`` samples with it.
+
+    Raises: ValueError for a model that is not an SD3 pipeline's.
+    """
+    from diffusers import StableDiffusion3Pipeline
+
+    if model.source.get("kind") != "sd3":
+        raise ValueError("only an SD3 pipeline's model exports as a pipeline")
+    index = json.loads((Path(model.source["pipeline"]) / "model_index.json").read_text())
+    absent = {name: None for name, entry in index.items() if isinstance(entry, list) and entry[0] is None}
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        model.source["pipeline"], transformer=model.transformer, dtype=torch.float32, **absent
+    )
+    pipe.save_pretrained(out)

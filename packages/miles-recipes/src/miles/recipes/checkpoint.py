@@ -196,7 +196,8 @@ def restore_run_checkpoint(
 # -- export ---------------------------------------------------------------------------------------------
 def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
     """Write the checkpoint's model as a plain HF directory (config, safetensors, tokenizer) at ``out``; a diffusion
-    run's model (``miles_tiny_flow.json`` + ``transformer/``, diffusers' layout) is copied as it is.
+    run's tiny flow model (``miles_flow.json`` + ``transformer/``, diffusers' layout) is copied as it is, an SD3
+    pipeline's is written as the whole pipeline with the trained transformer (``StableDiffusion3Pipeline``).
 
     The copy goes to a temporary sibling and is renamed into place, so ``out`` is complete or absent.
 
@@ -216,15 +217,11 @@ def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
     missing = [f for f in ("config.json", "model.safetensors") if not (src / f).is_file()]
     if not any((src / f).is_file() for f in _TOKENIZER_FILES):
         missing.append("tokenizer.json")
-    if (src / "miles_tiny_flow.json").is_file():
+    if (src / "miles_flow.json").is_file():  # a diffusion run's flow model
         weights = src / "transformer" / "diffusion_pytorch_model.safetensors"
         missing = [] if weights.is_file() else ["transformer/diffusion_pytorch_model.safetensors"]
-    if missing:
-        raise FileNotFoundError(
-            f"--checkpoint {checkpoint_dir}: {src} lacks {missing}; pass a runs/<name>/checkpoints/step_N directory"
-        )
-    if out.exists():
-        raise FileExistsError(f"--out {out} already exists; pass a new directory (export never overwrites)")
+        if not missing and json.loads((src / "miles_flow.json").read_text()).get("kind") == "sd3":
+            return _export_pipeline(src, out)
     bad = [name for name, t in load_file(weights).items() if not torch.isfinite(t).all()]
     if bad:
         raise ValueError(f"--checkpoint {checkpoint_dir}: weights {bad[:3]} hold NaN/inf; export an earlier step")
@@ -236,6 +233,24 @@ def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
         _fsync_tree(tmp)
         os.rename(tmp, out)
         _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _export_pipeline(src: Path, out: Path) -> Path:
+    """A diffusion run's SD3 model as a whole diffusers pipeline at ``out`` (temporary sibling, then renamed)."""
+    from miles.diffusion.models import export_pipeline, load_flow_model
+
+    if out.exists():
+        raise FileExistsError(f"--out {out} already exists; pass a new directory (export never overwrites)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        export_pipeline(load_flow_model(src), tmp)
+        _fsync_tree(tmp)
+        os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -444,7 +444,7 @@ def resolve_eval_config(checkpoint: str | None, recipe: str | None, override_arg
         return cfg
     path = Path(checkpoint)
     model = path / "model"
-    if (model / "miles_tiny_flow.json").is_file():
+    if (model / "miles_flow.json").is_file():
         raise diffusion
     if not (model / "config.json").is_file():
         raise ValueError(

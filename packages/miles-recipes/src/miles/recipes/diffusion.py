@@ -8,8 +8,8 @@ DiffusionNFT (``miles.diffusion.trainer``) and write the run directory the LLM r
 
 Checkpoints are published whole or not at all (``miles.recipes.checkpoint``); Ctrl-C finishes the step, saves and
 stops, and ``miles train --run.name NAME --resume`` continues exactly (the rollout noise depends only on the seed and
-the step). Only the tiny twin (``tiny-flow``, ``miles.diffusion.models``) runs today; diffusers pipelines such as
-SD3.5 need their text encoders and VAE wired in (not done).
+the step). Models: the tiny twin (``tiny-flow``), diffusers StableDiffusion3Pipeline directories (SD3, SD3.5; the
+random ``tiny-sd3`` runs that path here), or a flow model a run saved.
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ import numpy as np
 import torch
 import yaml
 from miles.diffusion.config import FlowGRPOConfig
-from miles.diffusion.models import FlowModel, load_tiny_flow_model, save_tiny_flow_model, tiny_flow_model
+from miles.diffusion.models import (
+    FLOW_META,
+    FlowModel,
+    load_flow_model,
+    save_flow_model,
+    sd3_flow_model,
+    tiny_flow_model,
+)
 from miles.diffusion.rewards import IMAGE_REWARDS, prompt_colour
 from miles.diffusion.trainer import FlowGRPOTrainer, ImageReward, RewardFailed
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -33,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 logger = logging.getLogger(__name__)
 
 TINY_FLOW = "tiny-flow"
+TINY_SD3 = "tiny-sd3"
 REWARD_SIGNATURE = "(prompts: list[str], images: numpy uint8 [B, H, W, 3]) -> B floats"
 
 
@@ -43,9 +51,13 @@ class _Section(BaseModel):
 class FlowModelConfig(_Section):
     """The flow model trained."""
 
-    path: str = Field(TINY_FLOW, description=f"'{TINY_FLOW}' (the random tiny twin) or a directory holding one (a "
-                      "checkpoint's model/).")  # fmt: skip
+    path: str = Field(TINY_FLOW, description=f"'{TINY_FLOW}' (the random tiny twin on pixels), '{TINY_SD3}' (a random "
+                      "SD3.5-shaped diffusers pipeline), a local diffusers StableDiffusion3Pipeline directory (SD3, "
+                      "SD3.5), or a flow model a run saved (a checkpoint's model/, or its export).")  # fmt: skip
     seed: int = Field(0, description=f"Seeds {TINY_FLOW}'s random weights.")
+    resolution: int | None = Field(None, gt=0, description="SD3 pipelines: image side in pixels (default: the "
+                                   "transformer's sample_size x the VAE's scale).")  # fmt: skip
+    max_sequence_length: int = Field(256, gt=0, description="SD3 pipelines: T5 tokens per prompt.")
 
 
 class ImageRewardConfig(_Section):
@@ -147,22 +159,22 @@ class _PromptCycle:
 
 class _CheckpointedTrainer:
     """The trainer as ``save_run_checkpoint`` / ``restore_run_checkpoint`` see a backend: ``model/`` (the flow model
-    directory, loadable by ``load_tiny_flow_model``), ``optimizer.pt`` (tensors and numbers: weights_only loads)."""
+    directory, loadable by ``load_flow_model``), ``optimizer.pt`` (tensors and numbers: weights_only loads)."""
 
-    def __init__(self, trainer: FlowGRPOTrainer, model: FlowModel, seed: int) -> None:
-        self.trainer, self.model, self.seed = trainer, model, seed
+    def __init__(self, trainer: FlowGRPOTrainer, model: FlowModel) -> None:
+        self.trainer, self.model = trainer, model
 
     def save(self, directory: Path) -> None:
         for name, tensor in self.trainer.policy.state_dict().items():
             if not bool(torch.isfinite(tensor).all()):
                 raise FloatingPointError(f"the transformer's {name} is not finite: not saving it")
-        save_tiny_flow_model(self.model, Path(directory) / "model", seed=self.seed)
+        save_flow_model(self.model, Path(directory) / "model")
         state = self.trainer.state_dict()
         del state["transformer"]
         torch.save(state, Path(directory) / "optimizer.pt")
 
     def load(self, directory: Path) -> None:
-        loaded = load_tiny_flow_model(Path(directory) / "model")
+        loaded = load_flow_model(Path(directory) / "model")
         optimizer_path = Path(directory) / "optimizer.pt"
         state = torch.load(optimizer_path, weights_only=True)
         self.trainer.load_state_dict({**state, "transformer": loaded.transformer.state_dict()})
@@ -185,17 +197,23 @@ def build_reward(cfg: DiffusionConfig) -> ImageReward:
 
 
 def build_model(cfg: DiffusionConfig) -> FlowModel:
-    """The flow model of ``cfg.model``. Raises: ValueError naming model.path when it is neither the tiny twin nor a
-    directory holding one."""
+    """The flow model of ``cfg.model``. Raises: ValueError naming model.path when it is none of the kinds it takes."""
     if cfg.model.path == TINY_FLOW:
         return tiny_flow_model(seed=cfg.model.seed)
-    path = Path(cfg.model.path)
-    if not (path / "miles_tiny_flow.json").is_file():
-        raise ValueError(
-            f"model.path {cfg.model.path!r} is neither {TINY_FLOW!r} nor a flow model directory (a checkpoint's "
-            "model/, holding miles_tiny_flow.json); other diffusers models are not supported yet"
-        )
-    return load_tiny_flow_model(path)
+    sd3 = dict(resolution=cfg.model.resolution, max_sequence_length=cfg.model.max_sequence_length)
+    if cfg.model.path == TINY_SD3:
+        from miles.recipes.models.tiny_sd3 import ensure_tiny_sd3
+
+        return sd3_flow_model(ensure_tiny_sd3(), **sd3)
+    path = Path(cfg.model.path).expanduser()
+    if (path / FLOW_META).is_file():
+        return load_flow_model(path)
+    if (path / "model_index.json").is_file():
+        return sd3_flow_model(path, **sd3)
+    raise ValueError(
+        f"model.path {cfg.model.path!r} is neither {TINY_FLOW!r}, {TINY_SD3!r}, a diffusers StableDiffusion3Pipeline "
+        f"directory (model_index.json) nor a flow model a run saved ({FLOW_META}); Miles does not download models"
+    )
 
 
 def image_grid(images: np.ndarray, *, columns: int) -> np.ndarray:
@@ -230,6 +248,7 @@ def run_diffusion(
     Raises: RunSetupError for a model or reward that cannot be built (nothing written yet); RunInputError when the
     reward fails on the images; KeyboardInterrupt on a second Ctrl-C (the last checkpoint stays).
     """
+    from diffusers.utils import logging as diffusers_logging
     from miles.recipes.checkpoint import restore_run_checkpoint, save_run_checkpoint, write_atomic
     from miles.recipes.interrupts import StopRequest
     from miles.recipes.run import (
@@ -241,7 +260,10 @@ def run_diffusion(
         _run_log,
     )
     from miles.recipes.sinks import ConsoleSink, JsonlSink, plot_rewards
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # loading bars; the console sink owns the progress bar
+    diffusers_logging.disable_progress_bar()
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     with _run_log(run_dir) as start_log:
@@ -253,7 +275,7 @@ def run_diffusion(
         trainer = FlowGRPOTrainer(model, cfg.algorithm, reward)
         prompts = _PromptCycle(list(cfg.data.prompts))
         eval_prompts = list(cfg.eval.prompts or cfg.data.prompts)
-        checkpointed = _CheckpointedTrainer(trainer, model, cfg.model.seed)
+        checkpointed = _CheckpointedTrainer(trainer, model)
         if replace_existing and run_dir.is_dir():
             _remove_run_dir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

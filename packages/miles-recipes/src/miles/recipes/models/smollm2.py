@@ -63,7 +63,8 @@ def publish_model_dir(target: Path, build: Callable[[Path], None]) -> Path:
         try:
             os.rename(tmp, target)
         except OSError:
-            if not (target / "config.json").exists():  # lost a race with another process: theirs is complete
+            # lost a race with another process: theirs is complete (a model, or a diffusers pipeline)
+            if not ((target / "config.json").exists() or (target / "model_index.json").exists()):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
