@@ -82,3 +82,16 @@ def test_the_ode_sampler_is_euler_on_the_velocity():
         for i in range(3):
             x = ode_step(x, velocity(model, x, sigmas[i], cond), sigmas[i], sigmas[i + 1])
     assert torch.equal(out, x)
+
+
+def test_noise_comes_from_the_generators_device():
+    from miles.diffusion.sampler import noise
+
+    a = noise((2, 3), torch.Generator().manual_seed(1), "cpu")
+    assert torch.equal(a, torch.randn(2, 3, generator=torch.Generator().manual_seed(1)))
+    assert noise((2, 3), None, "cpu").shape == (2, 3)
+    model = tiny_transformer().eval()
+    cond = conditioning(2, 1)
+    traj = sample(model, cond, latent_shape=(4, 8, 8), num_steps=2, generator=torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(4)
+    assert torch.equal(traj.latents[:, 0], torch.randn(2, 4, 8, 8, generator=gen))  # the initial noise comes first

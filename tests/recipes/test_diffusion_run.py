@@ -14,6 +14,7 @@ from miles.recipes.cli import main, resolve_config
 from miles.recipes.diffusion import DiffusionConfig, image_grid
 
 RECIPE = "tiny_flow_grpo_compressibility"
+CUDA = torch.cuda.is_available()
 # 2 prompts x 2 images, 3 denoising steps: ~0.1 s a step
 SMALL = ["--algorithm.prompts-per-step", "2", "--algorithm.group-size", "2", "--algorithm.num-steps", "3",
          "--eval.images-per-prompt", "1", "--run.progress", "false"]  # fmt: skip
@@ -110,6 +111,8 @@ def test_ctrl_c_finishes_the_step_saves_and_the_run_continues(tmp_path, monkeypa
         (["--model.path", "/nonexistent"], "model.path '/nonexistent' is neither 'tiny-flow', 'tiny-sd3', a diffusers"),
         (["--reward.name", "named_colour", "--eval.prompts", "['a dog']"], "eval.prompts: prompt 'a dog' must name"),
         (["--reward.path", "nowhere_module:score"], "reward.path"),
+        (["--model.device", "tpu"], "model.device"),
+        *([(["--model.device", "cuda"], "model.device is cuda but no GPU is visible")] if not CUDA else []),
     ],
 )
 def test_bad_input_is_one_line_naming_the_field(tmp_path, capsys, extra, message):
@@ -174,6 +177,18 @@ def test_image_grid_tiles_rows_with_borders():
     assert (grid[4:6, 4:6] == 255).all() and (grid[2:4] == 255).all()  # the empty cell and the borders are white
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (none here)")
+def test_a_run_on_the_gpu_samples_what_the_cpu_samples(tmp_path):
+    """The noise is drawn on the CPU generator whatever the device, so the GPU run's step-0 eval images match the
+    CPU run's up to kernel differences, and the weight push keeps the sampler's log-probs (1e-4, TF32 off)."""
+    for device in ("cpu", "cuda"):
+        assert train(tmp_path, device, "--loop.num-steps", "2", "--model.device", device) == 0
+    cpu, gpu = rows(tmp_path / "cpu"), rows(tmp_path / "cuda")
+    assert abs(cpu[0]["eval/reward"] - gpu[0]["eval/reward"]) < 0.05
+    assert all(r["train_rollout_logprob_max_abs_diff"] < 1e-4 for r in gpu if "loss" in r)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", [RECIPE, "tiny_flow_nft_compressibility"])
 def test_the_shipped_recipes_raise_held_out_compressibility(tmp_path, recipe):
@@ -187,3 +202,19 @@ def test_the_shipped_recipes_raise_held_out_compressibility(tmp_path, recipe):
     assert evals[30] > evals[0] + 0.08, evals
     assert (tmp_path / "l" / "reward.png").is_file()
     assert {"step_0.png", "step_30.png"} <= {p.name for p in (tmp_path / "l" / "samples").iterdir()}
+
+
+def test_the_sd35_recipe_is_sized_for_a_gpu_and_its_tiny_twin_runs(tmp_path, monkeypatch):
+    cfg = resolve_config("sd35_medium_flow_grpo_compressibility", [])
+    assert cfg.model.device == "cuda" and cfg.model.resolution == 512 and cfg.algorithm.guidance_scale == 4.5
+    assert (cfg.algorithm.kl_coef, cfg.algorithm.train_steps, cfg.algorithm.num_steps) == (0.04, 6, 10)
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))  # tiny-sd3 is built there
+    args = ["train", "--recipe", "sd35_medium_flow_grpo_compressibility", "--tiny", "--run.dir", str(tmp_path)]
+    assert main([*args, "--run.name", "t", "--run.progress", "false"]) == 0
+    logged = rows(tmp_path / "t")
+    train_rows = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2]
+    # CFG 4.5 and the KL to the starting model ran: the KL is 0 on the first step, > 0 after one update
+    assert train_rows[0]["kl"] == 0 and train_rows[1]["kl"] > 0
+    assert all(r["train_rollout_logprob_max_abs_diff"] < 1e-5 for r in train_rows)
+    assert (tmp_path / "cache" / "models" / "tiny-sd3-v1" / "model_index.json").is_file()

@@ -69,6 +69,7 @@ class ByteTextEncoder(nn.Module):
             data = list(prompt.encode("utf-8"))[: self.max_length]
             ids[row, : len(data)] = torch.tensor(data, dtype=torch.long)
             mask[row, : len(data)] = True
+        ids, mask = ids.to(self.byte_table.device), mask.to(self.byte_table.device)
         tokens = (self.byte_table[ids] + self.positions) * mask[..., None]
         pooled = tokens.sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
         return Conditioning(prompt_embeds=tokens, pooled=pooled @ self.pool)
@@ -85,6 +86,7 @@ class FlowModel:
         latent_shape: (C, H, W) of one latent.
         source: what rebuilds ``encode`` / ``decode`` (``miles_flow.json``): {"kind": "tiny", ...} or
             {"kind": "sd3", "pipeline": DIR, ...}.
+        frozen: the modules behind ``encode`` / ``decode`` (moved by ``to``).
     """
 
     transformer: nn.Module
@@ -92,6 +94,14 @@ class FlowModel:
     decode: Callable[[Tensor], Tensor]
     latent_shape: tuple[int, int, int]
     source: dict = field(default_factory=dict)
+    frozen: list[nn.Module] = field(default_factory=list)
+
+    def to(self, device: torch.device | str) -> FlowModel:
+        """Move the transformer and the frozen parts to ``device`` (in place); returns self."""
+        self.transformer.to(device)
+        for module in self.frozen:
+            module.to(device)
+        return self
 
 
 def _pixels(latents: Tensor) -> Tensor:
@@ -171,7 +181,8 @@ def sd3_flow_model(
     source = {"kind": "sd3", "pipeline": str(pipeline_dir.absolute()), "resolution": size,
               "max_sequence_length": max_sequence_length}  # fmt: skip
     latent_shape = (pipe.transformer.config.in_channels, size // scale, size // scale)
-    return FlowModel(pipe.transformer.float(), encode, decode, latent_shape, source)
+    frozen = [m for m in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3) if m is not None]
+    return FlowModel(pipe.transformer.float(), encode, decode, latent_shape, source, frozen=frozen)
 
 
 FLOW_META = "miles_flow.json"

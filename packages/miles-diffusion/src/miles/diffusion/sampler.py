@@ -18,6 +18,13 @@ from miles.diffusion.sde import SDEStep, ode_step, sde_step
 from torch import Tensor
 
 
+def noise(shape: Sequence[int], generator: torch.Generator | None, device: torch.device | str) -> Tensor:
+    """Standard normal float32 noise of ``shape`` on ``device``, drawn on the generator's own device (a CPU generator
+    gives the same noise whatever ``device`` is: a run samples the same on a GPU as on the CPU)."""
+    where = generator.device if generator is not None else device
+    return torch.randn(tuple(shape), generator=generator, device=where, dtype=torch.float32).to(device)
+
+
 @dataclass(frozen=True)
 class Conditioning:
     """What the transformer is conditioned on, per image.
@@ -126,12 +133,12 @@ def sample(
     device = cond.prompt_embeds.device
     sigmas = flow_sigmas(num_steps, shift=shift).to(device)
     batch = cond.prompt_embeds.shape[0]
-    x = torch.randn((batch, *latent_shape), generator=generator, device=device, dtype=torch.float32)
+    x = noise((batch, *latent_shape), generator, device)
     latents, log_probs = [x], []
     for i in range(num_steps):
         v = velocity(transformer, x, sigmas[i], cond, uncond=uncond, guidance_scale=guidance_scale)
         step = sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=noise_level, sigma_max=float(sigmas[1]),
-                        generator=generator)  # fmt: skip
+                        x_next=None, noise=noise(x.shape, generator, x.device))  # fmt: skip
         x = step.x_next
         latents.append(x)
         log_probs.append(step.log_prob)
@@ -156,7 +163,7 @@ def sample_ode(
     """
     device = cond.prompt_embeds.device
     sigmas = flow_sigmas(num_steps, shift=shift).to(device)
-    x = torch.randn((cond.prompt_embeds.shape[0], *latent_shape), generator=generator, device=device)
+    x = noise((cond.prompt_embeds.shape[0], *latent_shape), generator, device)
     for i in range(num_steps):
         v = velocity(transformer, x, sigmas[i], cond, uncond=uncond, guidance_scale=guidance_scale)
         x = ode_step(x, v, sigmas[i], sigmas[i + 1])

@@ -97,6 +97,7 @@ def sde_step(
     sigma_max: float,
     x_next: Tensor | None = None,
     generator: torch.Generator | None = None,
+    noise: Tensor | None = None,
 ) -> SDEStep:
     """One step from time ``sigma`` to ``sigma_next`` < ``sigma`` of the marginal-preserving SDE (module docstring).
 
@@ -108,7 +109,8 @@ def sde_step(
         sigma_max: see ``noise_std``.
         x_next: the outcome to score (training recomputes the log-prob of the sampled step); None samples one
             with ``generator``.
-        generator: the noise's generator (sampling only).
+        generator: the noise's generator (sampling only; on ``x``'s device).
+        noise: the standard normal noise of the step [B, ...] (sampling only), instead of drawing it.
     Returns: ``SDEStep``.
     Raises: ValueError for noise_level <= 0 (no density: use the ODE) or times that do not decrease.
     """
@@ -123,8 +125,9 @@ def sde_step(
     mean = x32 + (v32 + std**2 / (2 * t) * (x32 + (1 - t) * v32)) * dt
     scale = std * torch.sqrt(-dt)
     if x_next is None:
-        noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-        x_next = (mean + scale * noise).detach()
+        if noise is None:
+            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        x_next = (mean + scale * noise.float()).detach()
     return SDEStep(x_next=x_next, mean=mean, scale=scale, log_prob=transition_log_prob(x_next, mean, scale))
 
 

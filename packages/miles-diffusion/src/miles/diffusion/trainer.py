@@ -224,7 +224,7 @@ class FlowGRPOTrainer:
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of denoising step ``i`` of the micro-batch ``rows`` (``config.loss``), and its metrics."""
         cfg = self.config
-        advantages = rollout.advantages[rows]
+        advantages = rollout.advantages[rows].to(traj.latents.device)
         if cfg.loss == "diffusion_nft":  # flow matching at the step's time on the sampled clean images
             x0 = traj.latents[:, -1]
             step, update, start = seed

@@ -58,6 +58,8 @@ class FlowModelConfig(_Section):
     resolution: int | None = Field(None, gt=0, description="SD3 pipelines: image side in pixels (default: the "
                                    "transformer's sample_size x the VAE's scale).")  # fmt: skip
     max_sequence_length: int = Field(256, gt=0, description="SD3 pipelines: T5 tokens per prompt.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model trains and samples: auto = "
+                                                   "the GPU when one is visible, else the CPU.")  # fmt: skip
 
 
 class ImageRewardConfig(_Section):
@@ -216,6 +218,16 @@ def build_model(cfg: DiffusionConfig) -> FlowModel:
     )
 
 
+def resolve_device(device: str) -> torch.device:
+    """``model.device`` as a torch device. Raises: ValueError for cuda without a visible GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "model.device is cuda but no GPU is visible (torch.cuda.is_available() is False); use --model.device cpu "
+            "or auto"
+        )
+    return torch.device("cuda" if device == "auto" and torch.cuda.is_available() else device.replace("auto", "cpu"))
+
+
 def image_grid(images: np.ndarray, *, columns: int) -> np.ndarray:
     """Tile images [N, H, W, 3] uint8 into a grid [rows * (H + 2), columns * (W + 2), 3] with a 2-pixel white
     border after each image; N need not fill the last row (white)."""
@@ -269,9 +281,14 @@ def run_diffusion(
     with _run_log(run_dir) as start_log:
         try:
             reward = build_reward(cfg)
-            model = build_model(cfg)
+            device = resolve_device(cfg.model.device)
+            model = build_model(cfg).to(device)
         except (ValueError, ImportError, AttributeError, TypeError, OSError) as err:
             raise RunSetupError(" ".join(str(err).split())) from err
+        logger.info(
+            "loaded %s on %s: transformer %.2f M parameters, latents %s",
+            cfg.model.path, device, sum(p.numel() for p in model.transformer.parameters()) / 1e6, model.latent_shape,
+        )  # fmt: skip
         trainer = FlowGRPOTrainer(model, cfg.algorithm, reward)
         prompts = _PromptCycle(list(cfg.data.prompts))
         eval_prompts = list(cfg.eval.prompts or cfg.data.prompts)
