@@ -183,3 +183,20 @@ def test_renders_from_many_threads_agree_and_the_processor_pickles(processor):
     assert pickle.dumps(processor)  # it serializes (Ray, worker processes); copying runs the same state protocol
     again = copy.deepcopy(processor)
     assert again.render_sample(prompts[0])[0] == expected[0] and again.merge_size == processor.merge_size
+
+
+def test_a_text_prompt_renders_as_the_text_path_does(processor):
+    from miles.core.sample import Sample
+    from miles.rollout.generate import render_prompt
+
+    sample = Sample(index=0, group_index=0, prompt="What is 2 + 2?")
+    tokens, inputs = processor.render_sample(sample)
+    assert inputs is None and tokens and tokens == render_prompt(processor, "What is 2 + 2?")
+    sample.prompt = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert processor.render_sample(sample) == (render_prompt(processor, sample.prompt), None)
+    sample.prompt = [5, 6, 7]
+    assert processor.render_sample(sample) == ([5, 6, 7], None)
+    sample.prompt = "What is 2 + 2?"
+    sample.metadata["images"] = [encode_png(Image.new("RGB", (8, 8)))]
+    with pytest.raises(ValueError, match="needs a chat-message prompt with image parts"):
+        processor.render_sample(sample)

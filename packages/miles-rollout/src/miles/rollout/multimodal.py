@@ -147,16 +147,20 @@ class VisionProcessor:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"], inputs
 
     def render_sample(self, sample: Sample) -> tuple[list[int], MultimodalInputs | None]:
-        """``render`` of a sample's chat prompt with the images of its ``metadata["images"]``.
+        """``render`` of a sample's chat prompt with the images of its ``metadata["images"]``; without images, a
+        plain string is tokenized as is and token ids pass through (as ``miles.rollout.generate.render_prompt``).
 
         Raises: ValueError for a prompt that is not chat messages while it has images, or an unreadable image.
         """
         entries = sample.metadata.get("images") or []
-        if not isinstance(sample.prompt, list) or not all(isinstance(m, dict) for m in sample.prompt):
-            if entries:
-                raise ValueError("a sample with metadata['images'] needs a chat-message prompt with image parts")
-            return [], None
-        return self.render(sample.prompt, [load_image(entry) for entry in entries])
+        prompt = sample.prompt
+        if not entries and isinstance(prompt, str):
+            return self(prompt, add_special_tokens=False)["input_ids"], None
+        if not entries and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt), None
+        if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
+            raise ValueError("a sample with metadata['images'] needs a chat-message prompt with image parts")
+        return self.render(prompt, [load_image(entry) for entry in entries])
 
 
 def count_image_parts(messages: list[dict[str, Any]]) -> int:

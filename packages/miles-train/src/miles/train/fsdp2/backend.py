@@ -108,7 +108,7 @@ class FSDP2Backend:
         model.config.use_cache = False
         _packed_attention(model, train.batch_layout)
         if train.freeze_vision_tower and (tower := vision_tower(model)) is not None:
-            tower.requires_grad_(False)  # before LoRA and the optimizer: neither sees its parameters
+            tower.requires_grad_(False)  # before the optimizer, which then never sees its parameters
         if train.lora is not None:
             apply_lora(model, train.lora)
         mesh = init_device_mesh("cpu", (self.world_size,))
