@@ -28,6 +28,7 @@ from typing import Any
 
 from miles.core.sample import Sample
 from miles.rollout.data.epoch import EpochShuffledSource
+from miles.rollout.multimodal import load_image
 from PIL import Image, ImageDraw
 
 BACKGROUND = (255, 255, 255)
@@ -151,7 +152,7 @@ def encode_png(image: Image.Image) -> str:
 def decode_images(sample_or_metadata: Sample | dict[str, Any]) -> list[Image.Image]:
     """The RGB images of a sample (or of its ``metadata`` dict), one per image part of its prompt, in order."""
     metadata = sample_or_metadata.metadata if isinstance(sample_or_metadata, Sample) else sample_or_metadata
-    return [Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB") for data in metadata["images"]]
+    return [load_image(entry) for entry in metadata["images"]]
 
 
 def _validate(families: Sequence[str], image_size: int) -> None:
