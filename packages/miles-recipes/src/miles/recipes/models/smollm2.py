@@ -73,6 +73,24 @@ def publish_model_dir(target: Path, build: Callable[[Path], None]) -> Path:
     return target
 
 
+def ensure_built(
+    name: str, build: Callable[[Path], None], *, cache_dir: Path | None = None, marker: str = "config.json"
+) -> Path:
+    """``cache_dir / name`` (default ``default_cache_dir()``), built by ``build`` on first use with
+    ``publish_model_dir``; it counts as built once ``marker`` (a file inside it) exists.
+
+    Returns: the directory. Raises: what ``build`` raises.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / name
+    if (target / marker).exists():
+        return target
+    start = time.perf_counter()
+    publish_model_dir(target, build)
+    logger.info("built %s in %.1fs", target, time.perf_counter() - start)
+    return target
+
+
 def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     """Return a HF model directory with SmolLM2-135M-Instruct, converting the GGUF file on first use.
 

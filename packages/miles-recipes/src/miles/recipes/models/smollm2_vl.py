@@ -15,13 +15,9 @@ the model cache by an atomic rename.
 
 from __future__ import annotations
 
-import logging
-import time
 from pathlib import Path
 
-from miles.recipes.models.smollm2 import default_cache_dir, ensure_smollm2, publish_model_dir
-
-logger = logging.getLogger(__name__)
+from miles.recipes.models.smollm2 import ensure_built, ensure_smollm2
 
 MODEL_NAME = "smollm2-vl"
 VERSION = 1  # bump when the build changes: a new cache directory
@@ -109,11 +105,4 @@ def ensure_smollm2_vl(cache_dir: Path | None = None) -> Path:
 
     Raises: what ``build_smollm2_vl`` raises.
     """
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / f"{MODEL_NAME}-v{VERSION}"
-    if (target / "config.json").exists():
-        return target
-    start = time.perf_counter()
-    publish_model_dir(target, build_smollm2_vl)
-    logger.info("built %s at %s in %.1fs", MODEL_NAME, target, time.perf_counter() - start)
-    return target
+    return ensure_built(f"{MODEL_NAME}-v{VERSION}", build_smollm2_vl, cache_dir=cache_dir)

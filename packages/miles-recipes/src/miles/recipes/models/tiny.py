@@ -21,15 +21,11 @@ tiny-<family>`` use them.
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.recipes.models.smollm2 import default_cache_dir, ensure_smollm2, publish_model_dir
-
-logger = logging.getLogger(__name__)
+from miles.recipes.models.smollm2 import ensure_built, ensure_smollm2
 
 VERSION = 1  # bump when a twin's config or init changes: a new cache directory, old ones untouched
 SEED = 0
@@ -199,11 +195,4 @@ def ensure_tiny(family: str, cache_dir: Path | None = None) -> Path:
     """
     if family not in FAMILIES:
         raise ValueError(f"no tiny twin of family {family!r}; families: {sorted(FAMILIES)}")
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / f"{model_name(family)}-v{VERSION}"
-    if (target / "config.json").exists():
-        return target
-    start = time.perf_counter()
-    publish_model_dir(target, lambda tmp: build_tiny(family, tmp))
-    logger.info("built the tiny %s twin at %s in %.1fs", family, target, time.perf_counter() - start)
-    return target
+    return ensure_built(f"{model_name(family)}-v{VERSION}", lambda tmp: build_tiny(family, tmp), cache_dir=cache_dir)

@@ -10,14 +10,10 @@ Built once into the model cache (``default_cache_dir()/tiny-sd3-v1``) by an atom
 from __future__ import annotations
 
 import json
-import logging
-import time
 from pathlib import Path
 
 import torch
-from miles.recipes.models.smollm2 import default_cache_dir, publish_model_dir
-
-logger = logging.getLogger(__name__)
+from miles.recipes.models.smollm2 import ensure_built
 
 MODEL_NAME = "tiny-sd3"
 VERSION = 1
@@ -84,11 +80,4 @@ def build_tiny_sd3(out: Path, *, seed: int = 0) -> None:
 
 def ensure_tiny_sd3(cache_dir: Path | None = None) -> Path:
     """The pipeline directory of ``tiny-sd3``, built into the cache on first use (atomic)."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / f"{MODEL_NAME}-v{VERSION}"
-    if (target / "model_index.json").exists():
-        return target
-    start = time.perf_counter()
-    publish_model_dir(target, build_tiny_sd3)
-    logger.info("built %s at %s in %.1fs", MODEL_NAME, target, time.perf_counter() - start)
-    return target
+    return ensure_built(f"{MODEL_NAME}-v{VERSION}", build_tiny_sd3, cache_dir=cache_dir, marker="model_index.json")
