@@ -105,6 +105,27 @@ def tiny_sd3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_clip_dir(tmp_path_factory) -> Path:
+    """A random CLIPModel + CLIPProcessor (byte-level tokenizer, 32 px images) built offline, for PickScore."""
+    import torch
+    from miles.recipes.models.tiny_sd3 import byte_clip_tokenizer
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    out = tmp_path_factory.mktemp("tiny_clip")
+    tokenizer = byte_clip_tokenizer(out / "tokenizer-src")
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                num_attention_heads=2, max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)  # fmt: skip
+    torch.manual_seed(0)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(out / "clip")
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(out / "clip")
+    return out / "clip"
+
+
+@pytest.fixture(scope="session")
 def smollm2_vl_dir() -> Path:
     """SmolLM2-VL: SmolLM2-135M-Instruct under a random vision tower (Qwen2-VL), built once into the user cache."""
     from miles.recipes.models.smollm2_vl import ensure_smollm2_vl

@@ -120,8 +120,17 @@ def _error(overrides: list[str]) -> str:
             id="engine_bundles_for_running_servers",
         ),
         pytest.param(
-            [*RAY, "--train.world-size", "2", "--execution.ray.num-cpus", "3", "--engine.num-servers", "2",
-             "--execution.ray.engine-cpus-per-server", "1"],
+            [
+                *RAY,
+                "--train.world-size",
+                "2",
+                "--execution.ray.num-cpus",
+                "3",
+                "--engine.num-servers",
+                "2",
+                "--execution.ray.engine-cpus-per-server",
+                "1",
+            ],
             "execution.ray.num_cpus is 3, but the trainer's bundles (2 CPUs) and the engine bundles "
             "(engine.num_servers x execution.ray.engine_cpus_per_server = 2 x 1 = 2 CPUs) need 4, so they could "
             "never all be placed. Set "

@@ -90,3 +90,40 @@ def test_miles_train_runs_flow_grpo_on_an_sd3_pipeline(tiny_sd3_dir, tmp_path):
     checkpoint = tmp_path / "s" / "checkpoints" / "step_2"
     assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0
     assert (tmp_path / "exported" / "model_index.json").is_file() and (tmp_path / "exported" / "vae").is_dir()
+
+
+def test_clip_score_is_clips_logit_for_each_image_and_its_prompt(tiny_clip_dir):
+    import numpy as np
+    from miles.diffusion.rewards import ClipScore
+    from transformers import CLIPModel, CLIPProcessor
+
+    images = np.random.default_rng(0).integers(0, 256, size=(3, 16, 16, 3), dtype=np.uint8)
+    prompts = ["a red image", "a dog", "a blue square"]
+    score = ClipScore(str(tiny_clip_dir), batch_size=2)(prompts, images)  # two forwards: 2 + 1 images
+    model, processor = CLIPModel.from_pretrained(tiny_clip_dir), CLIPProcessor.from_pretrained(tiny_clip_dir)
+    from PIL import Image
+
+    inputs = processor(text=prompts, images=[Image.fromarray(i) for i in images], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model(**inputs)
+    text = out.text_embeds / out.text_embeds.norm(dim=-1, keepdim=True)
+    image = out.image_embeds / out.image_embeds.norm(dim=-1, keepdim=True)
+    expected = model.logit_scale.exp() * (text * image).sum(-1)  # PickScore's definition, by hand
+    assert score == pytest.approx(expected.tolist(), abs=1e-4)
+    assert len(set(round(s, 6) for s in score)) == 3
+    with pytest.raises(ValueError, match="2 prompts for 3 images"):
+        ClipScore(str(tiny_clip_dir))(prompts[:2], images)
+
+
+def test_miles_train_with_a_clip_score_reward(tiny_clip_dir, tmp_path, capsys):
+    args = ["train", "--recipe", "tiny_flow_grpo_compressibility", "--reward.name", "clip_score",
+            "--reward.model-path", str(tiny_clip_dir), "--algorithm.prompts-per-step", "2",
+            "--algorithm.group-size", "2", "--algorithm.num-steps", "3", "--loop.num-steps", "1",
+            "--eval.images-per-prompt", "1", "--run.dir", str(tmp_path), "--run.progress", "false"]  # fmt: skip
+    assert main([*args, "--run.name", "c"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1] and all("eval/reward" in r for r in rows if r["step"] == 0)
+    assert main([*args, "--run.name", "d", "--reward.model-path", str(tmp_path / "none")]) == 2
+    assert "is not a local model directory" in capsys.readouterr().err
+    assert main([*args[:5], "--run.name", "e", "--run.dir", str(tmp_path)]) == 2  # clip_score without its model
+    assert "reward.model_path goes with reward.name clip_score" in capsys.readouterr().err

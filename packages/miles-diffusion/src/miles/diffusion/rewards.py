@@ -1,5 +1,6 @@
-"""Image rewards that need no model and no network: JPEG (in)compressibility as in DDPO, and a colour rule checked
-on the pixels. Each takes a batch of images and returns one float per image.
+"""Image rewards: JPEG (in)compressibility as in DDPO and a colour rule checked on the pixels (no model), and
+``ClipScore``, PickScore / CLIP from a local model directory (no network). Each takes a batch of images and returns
+one float per image.
 
 Images are [B, H, W, 3] uint8 RGB arrays or tensors (``to_uint8`` converts a decoder's [B, 3, H, W] floats in [-1, 1]).
 """
@@ -110,3 +111,41 @@ IMAGE_REWARDS = {
     "jpeg_incompressibility": _ignore_prompts(jpeg_incompressibility),
     "named_colour": named_colour_reward,
 }
+
+
+class ClipScore:
+    """A learned text-image reward from a local CLIP-architecture directory: PickScore (Kirstain et al.,
+    arXiv:2305.01569; ``yuvalkirstain/PickScore_v1``, Flow-GRPO's main reward) or a plain CLIP model (CLIPScore,
+    Hessel et al., arXiv:2104.08718). The reward of image i is CLIP's logit for (image i, prompt i):
+    exp(logit_scale) * cos(text embedding, image embedding), as PickScore defines it (about 20-23 for PickScore).
+
+    The model is loaded once, frozen, from ``model_dir`` (``CLIPModel`` + its processor; nothing is downloaded).
+
+    Args: model_dir: the local directory; device: where it runs; batch_size: images per forward.
+    Raises: FileNotFoundError / OSError naming the directory when it holds no CLIP model and processor.
+    """
+
+    def __init__(self, model_dir: str, *, device: str | torch.device = "cpu", batch_size: int = 32) -> None:
+        from transformers import AutoProcessor, CLIPModel
+
+        self.model = CLIPModel.from_pretrained(model_dir).eval().requires_grad_(False).to(device)
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.device, self.batch_size = torch.device(device), batch_size
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str], images: np.ndarray | Tensor) -> list[float]:
+        from PIL import Image
+
+        pixels = _as_uint8(images)
+        if len(prompts) != len(pixels):
+            raise ValueError(f"{len(prompts)} prompts for {len(pixels)} images")
+        scores: list[float] = []
+        for start in range(0, len(pixels), self.batch_size):
+            rows = slice(start, start + self.batch_size)
+            inputs = self.processor(
+                text=list(prompts[rows]), images=[Image.fromarray(p) for p in pixels[rows]], return_tensors="pt",
+                padding=True, truncation=True,
+            )  # fmt: skip
+            out = self.model(**{k: v.to(self.device) for k, v in inputs.items()})
+            scores += out.logits_per_image.diagonal().float().cpu().tolist()
+        return scores

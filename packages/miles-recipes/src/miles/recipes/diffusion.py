@@ -33,7 +33,7 @@ from miles.diffusion.models import (
     sd3_flow_model,
     tiny_flow_model,
 )
-from miles.diffusion.rewards import IMAGE_REWARDS, prompt_colour
+from miles.diffusion.rewards import IMAGE_REWARDS, ClipScore, prompt_colour
 from miles.diffusion.trainer import FlowGRPOTrainer, ImageReward, RewardFailed
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -65,11 +65,14 @@ class FlowModelConfig(_Section):
 class ImageRewardConfig(_Section):
     """The reward of each image: a built-in one by name, or a function of yours."""
 
-    name: Literal["jpeg_compressibility", "jpeg_incompressibility", "named_colour"] | None = Field(
+    name: Literal["jpeg_compressibility", "jpeg_incompressibility", "named_colour", "clip_score"] | None = Field(
         "jpeg_compressibility",
         description="jpeg_compressibility / jpeg_incompressibility: minus / plus the JPEG size in kB (DDPO); "
-        "named_colour: how close the pixels are to the colour the prompt names (red, green, blue, yellow, ...).",
+        "named_colour: how close the pixels are to the colour the prompt names (red, green, blue, yellow, ...); "
+        "clip_score: PickScore / CLIP's logit for (image, prompt) from the local model in reward.model_path.",
     )
+    model_path: str = Field("", description="clip_score: a local CLIPModel directory with its processor (PickScore_v1, "
+                            "a CLIP model); Miles downloads nothing.")  # fmt: skip
     path: str = Field("", description="module:function or file.py:function, (prompts, images [B, H, W, 3] uint8 "
                       "numpy) -> B floats; replaces reward.name.")  # fmt: skip
 
@@ -87,6 +90,11 @@ class ImageRewardConfig(_Section):
         check_plugin_path("reward.path", self.path, "my_rewards.py:score")
         if not self.path and self.name is None:
             raise ValueError("reward: set reward.name (a built-in reward) or reward.path (module:function)")
+        if (self.name == "clip_score") != bool(self.model_path):
+            raise ValueError(
+                "reward.model_path goes with reward.name clip_score (a local PickScore / CLIP directory): set both, "
+                "or neither"
+            )
         return self
 
 
@@ -182,8 +190,9 @@ class _CheckpointedTrainer:
         self.trainer.load_state_dict({**state, "transformer": loaded.transformer.state_dict()})
 
 
-def build_reward(cfg: DiffusionConfig) -> ImageReward:
-    """The reward named by ``cfg.reward``. Raises: ValueError / ImportError / TypeError naming reward.path."""
+def build_reward(cfg: DiffusionConfig, device: torch.device | str = "cpu") -> ImageReward:
+    """The reward named by ``cfg.reward`` (a learned one on ``device``). Raises: ValueError / ImportError /
+    TypeError naming reward.path, OSError naming reward.model_path."""
     from miles.core.plugins import load_plugin
 
     if cfg.reward.path:
@@ -195,6 +204,13 @@ def build_reward(cfg: DiffusionConfig) -> ImageReward:
                     prompt_colour(prompt)
                 except ValueError as err:
                     raise ValueError(f"{key}: {err} (reward.name is named_colour)") from None
+    if cfg.reward.name == "clip_score":
+        if not (Path(cfg.reward.model_path).expanduser() / "config.json").is_file():
+            raise ValueError(
+                f"reward.model_path {cfg.reward.model_path!r} is not a local model directory (no config.json); pass "
+                "a downloaded PickScore / CLIP directory"
+            )
+        return ClipScore(str(Path(cfg.reward.model_path).expanduser()), device=device)
     return IMAGE_REWARDS[cfg.reward.name]
 
 
@@ -280,8 +296,8 @@ def run_diffusion(
         torch.set_num_threads(cfg.run.num_threads)
     with _run_log(run_dir) as start_log:
         try:
-            reward = build_reward(cfg)
             device = resolve_device(cfg.model.device)
+            reward = build_reward(cfg, device)
             model = build_model(cfg).to(device)
         except (ValueError, ImportError, AttributeError, TypeError, OSError) as err:
             raise RunSetupError(" ".join(str(err).split())) from err

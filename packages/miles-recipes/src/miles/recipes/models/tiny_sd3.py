@@ -20,7 +20,9 @@ VERSION = 1
 RESOLUTION = 32  # pixels; latents 4 x 16 x 16 (VAE scale 2)
 
 
-def _byte_tokenizer(directory: Path):
+def byte_clip_tokenizer(directory: Path):
+    """A CLIP tokenizer that needs no download: byte-level BPE without merges (each UTF-8 byte of a word a token, 514
+    tokens with start/end), its vocab.json and merges.txt written into ``directory`` (created)."""
     from transformers import CLIPTokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -43,7 +45,7 @@ def build_tiny_sd3(out: Path, *, seed: int = 0) -> None:
     )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    tokenizer = _byte_tokenizer(Path(out) / ".tokenizer-src")
+    tokenizer = byte_clip_tokenizer(Path(out) / ".tokenizer-src")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
 
