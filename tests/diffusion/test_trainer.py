@@ -147,7 +147,7 @@ def test_a_bad_reward_is_named():
     ("fields", "message"),
     [
         ({"updates_per_rollout": 4}, r"updates_per_rollout \(4\) must divide"),
-        ({"train_steps": 4}, r"train_steps \(4\) must be at most num_steps \(3\)"),
+        ({"train_steps": 4}, r"algorithm.train_steps \(4\) must be at most algorithm.num_steps \(3\)"),
         ({"group_size": 1}, "group_size"),
         ({"guidance_scale": 0.5}, "guidance_scale"),
         ({"lora": True}, "Extra inputs are not permitted"),

@@ -106,7 +106,7 @@ def test_ctrl_c_finishes_the_step_saves_and_the_run_continues(tmp_path, monkeypa
     ("extra", "message"),
     [
         (["--algorithm.lora", "true"], "algorithm.lora"),
-        (["--algorithm.train-steps", "9"], r"train_steps \(9\) must be at most num_steps \(3\)"),
+        (["--algorithm.train-steps", "9"], r"algorithm.train_steps \(9\) must be at most algorithm.num_steps \(3\)"),
         (["--reward.path", "no_colon"], "reward.path is 'no_colon'; expected module:attr"),
         (["--model.path", "/nonexistent"], "model.path '/nonexistent' is neither 'tiny-flow', 'tiny-sd3', a diffusers"),
         (["--reward.name", "named_colour", "--eval.prompts", "['a dog']"], "eval.prompts: prompt 'a dog' must name"),

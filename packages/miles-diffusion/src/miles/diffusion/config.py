@@ -68,15 +68,21 @@ class FlowGRPOConfig(BaseModel):
         batch = self.prompts_per_step * self.group_size
         if batch % self.updates_per_rollout:
             raise ValueError(
-                f"updates_per_rollout ({self.updates_per_rollout}) must divide prompts_per_step x group_size "
-                f"({batch}) so every optimizer step sees as many images"
+                f"algorithm.updates_per_rollout ({self.updates_per_rollout}) must divide algorithm.prompts_per_step x "
+                f"algorithm.group_size ({batch}) so every optimizer step sees as many images"
             )
         if self.train_steps is not None and self.train_steps > self.num_steps:
-            raise ValueError(f"train_steps ({self.train_steps}) must be at most num_steps ({self.num_steps})")
+            raise ValueError(
+                f"algorithm.train_steps ({self.train_steps}) must be at most algorithm.num_steps ({self.num_steps})"
+            )
         if self.loss == "diffusion_nft" and self.guidance_scale != 1.0:
-            raise ValueError("diffusion_nft trains CFG-free: set guidance_scale 1.0 (or loss flow_grpo)")
+            raise ValueError(
+                "algorithm.loss diffusion_nft trains CFG-free: set --algorithm.guidance-scale 1.0 (or loss flow_grpo)"
+            )
         if self.loss == "diffusion_nft" and self.kl_coef > 0:
-            raise ValueError("kl_coef is flow_grpo's KL to a reference; diffusion_nft has none: set kl_coef 0")
+            raise ValueError(
+                "algorithm.kl_coef is flow_grpo's KL to a reference; diffusion_nft has none: set --algorithm.kl-coef 0"
+            )
         return self
 
     @property
