@@ -52,6 +52,10 @@ def test_a_run_writes_metrics_samples_checkpoints_and_the_reward_plot(tmp_path):
     assert all(r["train_rollout_logprob_max_abs_diff"] < 1e-5 for r in train_rows)  # miles.sync kept the copy equal
     assert [r["weight_version"] for r in train_rows] == [2, 3, 4]
     assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_0.png", "step_2.png", "step_3.png"]
+    from PIL import Image
+
+    # 4 eval prompts x 1 image of 16 px (+2 border) at 4x, and the labels' strip: 8 + 6 x len("a yellow picture")
+    assert Image.open(run / "samples" / "step_3.png").size == (4 * 18 + 8 + 6 * 16, 4 * 4 * 18)
     assert (run / "reward.png").stat().st_size > 0 and (run / "train.log").is_file()
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_3"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_2", "step_3"]

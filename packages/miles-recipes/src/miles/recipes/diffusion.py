@@ -2,7 +2,7 @@
 DiffusionNFT (``miles.diffusion.trainer``) and write the run directory the LLM runs write::
 
     config.yaml  metrics.jsonl  train.log  reward.png
-    samples/step_N.png           the held-out eval images at step N (a grid: one row per eval prompt)
+    samples/step_N.png           the held-out eval images at step N (a grid: one row per eval prompt, labelled)
     checkpoints/step_N/          model/ (the flow model), optimizer.pt, run_state.json, rng_rank0.json, config.yaml
     checkpoints/latest
 
@@ -256,13 +256,23 @@ def image_grid(images: np.ndarray, *, columns: int) -> np.ndarray:
     return grid
 
 
-def save_png(pixels: np.ndarray, path: Path, *, scale: int = 4) -> None:
-    """Write an RGB uint8 array as a PNG, each pixel ``scale`` x ``scale`` (tiny images stay visible); temp file,
-    then renamed."""
-    from PIL import Image
+def save_png(
+    pixels: np.ndarray, path: Path, *, scale: int = 1, row_labels: list[str] | None = None, row_height: int = 0
+) -> None:
+    """Write an RGB uint8 array as a PNG, each pixel ``scale`` x ``scale`` (tiny images stay visible), with
+    ``row_labels`` written left of each band of ``row_height`` (unscaled) pixels; temp file, then renamed."""
+    from PIL import Image, ImageDraw
 
     path.parent.mkdir(parents=True, exist_ok=True)
     image = Image.fromarray(pixels).resize((pixels.shape[1] * scale, pixels.shape[0] * scale), Image.NEAREST)
+    if row_labels:
+        width = 8 + 6 * max(len(label) for label in row_labels)  # PIL's default bitmap font: ~6 px a character
+        labelled = Image.new("RGB", (image.width + width, image.height), (255, 255, 255))
+        labelled.paste(image, (width, 0))
+        draw = ImageDraw.Draw(labelled)
+        for row, label in enumerate(row_labels):
+            draw.text((4, row * row_height * scale + 2), label, fill=(0, 0, 0))
+        image = labelled
     tmp = path.with_name(f".{path.name}.tmp")
     image.save(tmp, format="PNG")
     tmp.replace(path)
@@ -337,7 +347,10 @@ def run_diffusion(
         def evaluate(step: int) -> None:
             rows = [p for p in eval_prompts for _ in range(cfg.eval.images_per_prompt)]
             score, images = trainer.evaluate(rows, seed=cfg.eval.seed)
-            save_png(image_grid(images, columns=cfg.eval.images_per_prompt), run_dir / "samples" / f"step_{step}.png")
+            grid = image_grid(images, columns=cfg.eval.images_per_prompt)
+            scale = max(1, 64 // images.shape[1])  # tiny images enlarged to ~64 px, large ones as they are
+            save_png(grid, run_dir / "samples" / f"step_{step}.png", scale=scale, row_labels=eval_prompts,
+                     row_height=images.shape[1] + 2)  # fmt: skip
             log({"eval/reward": score}, step)
 
         def save(step: int) -> None:
