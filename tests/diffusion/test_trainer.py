@@ -179,3 +179,21 @@ def test_kl_to_the_starting_model_is_zero_first_and_pulls_back():
     assert bool((expected > 0).all())
     plain = FlowGRPOTrainer(tiny_flow_model(seed=0), FlowGRPOConfig(**SMALL), brightness)
     assert plain.reference is None and "kl" not in plain.step(PROMPTS)
+
+
+def test_a_resume_takes_the_configs_learning_rate_and_keeps_the_moments(caplog):
+    config = FlowGRPOConfig(**SMALL, warmup_steps=4)
+    first = FlowGRPOTrainer(tiny_flow_model(seed=0), config, brightness)
+    first.step(PROMPTS)
+    state = first.state_dict()
+    resumed = FlowGRPOTrainer(tiny_flow_model(seed=0), config.model_copy(update={"lr": 5e-4}), brightness)
+    with caplog.at_level("INFO", logger="miles.diffusion.trainer"):
+        resumed.load_state_dict(state)
+    assert "algorithm.lr changed on resume: 0.001 -> 0.0005" in caplog.text
+    group = resumed.optimizer.param_groups[0]
+    assert group["initial_lr"] == 5e-4 and group["lr"] == 5e-4 * 2 / 4  # step 2 of a 4-step warmup
+    moments = resumed.optimizer.state[resumed.optimizer.param_groups[0]["params"][0]]["exp_avg"]
+    assert torch.equal(moments, first.optimizer.state[first.optimizer.param_groups[0]["params"][0]]["exp_avg"])
+    same = FlowGRPOTrainer(tiny_flow_model(seed=0), config, brightness)
+    same.load_state_dict(state)  # unchanged settings: the schedule continues exactly where it was
+    assert same.optimizer.param_groups[0]["lr"] == first.optimizer.param_groups[0]["lr"] == 1e-3 * 2 / 4

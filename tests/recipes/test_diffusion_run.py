@@ -156,6 +156,21 @@ def test_resume_takes_overrides_of_the_diffusion_keys(tmp_path):
     recorded = yaml.safe_load((tmp_path / "o" / "config.yaml").read_text())
     assert recorded["algorithm"]["lr"] == 0.002 and recorded["loop"]["num_steps"] == 2
     assert [r["step"] for r in rows(tmp_path / "o")] == [1, 2]
+    # the new learning rate is the one that trained step 2 (not the checkpoint's optimizer's)
+    saved = torch.load(tmp_path / "o" / "checkpoints" / "step_2" / "optimizer.pt", weights_only=True)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == 0.002
+
+
+def test_a_resume_keeps_its_model(tmp_path, capsys):
+    assert train(tmp_path, "k", "--loop.num-steps", "1", "--eval.interval", "0") == 0
+    before = (tmp_path / "k" / "config.yaml").read_text()
+    args = ["train", "--run.dir", str(tmp_path), "--run.name", "k", "--resume", "--loop.num-steps", "2"]
+    assert main([*args, "--model.path", "tiny-sd3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.path is 'tiny-sd3' but the checkpoint" in err[0] and "trained 'tiny-flow'" in err[0]
+    assert (tmp_path / "k" / "config.yaml").read_text() == before  # nothing rewritten
+    assert main([*args, "--model.seed", "3"]) == 2
+    assert "model.seed is 3" in capsys.readouterr().err
 
 
 def test_a_reward_function_replaces_the_named_reward_and_its_signature_is_checked(tmp_path, capsys):
@@ -166,6 +181,23 @@ def test_a_reward_function_replaces_the_named_reward_and_its_signature_is_checke
     assert train(tmp_path, "s", "--reward.path", f"{plugin}:one") == 2
     err = capsys.readouterr().err.strip()
     assert "must accept 2 positional argument(s)" in err and "expected (prompts: list[str], images: numpy" in err
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ('{"model_type": "clip_text_model"}', "holds a 'clip_text_model' model, not a CLIP model"),
+        ("not json", "holds a None model, not a CLIP model"),
+        ('{"model_type": "clip"}', "could not be loaded"),
+    ],
+)
+def test_a_clip_score_directory_that_is_not_a_clip_model_is_one_line(tmp_path, capsys, config, message):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(config)
+    extra = ["--reward.name", "clip_score", "--reward.model-path", str(tmp_path / "m")]
+    assert train(tmp_path, "c", "--loop.num-steps", "1", *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "pass a downloaded PickScore / CLIP directory" in err[0], err
 
 
 def test_export_of_a_missing_checkpoint_says_so(tmp_path, capsys):

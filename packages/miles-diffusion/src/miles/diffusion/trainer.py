@@ -22,6 +22,7 @@ The trainer holds one process; FSDP2 across ranks and an SGLang-diffusion engine
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,8 @@ from miles.diffusion.sampler import Conditioning, Trajectories, sample, sample_o
 from miles.sync import InProcessTransport, WeightReceiver, WeightSender
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 # (prompts, images [B, H, W, 3] uint8) -> one reward per image
 ImageReward = Callable[[Sequence[str], np.ndarray], Sequence[float]]
@@ -307,10 +310,24 @@ class FlowGRPOTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output and publish the weights to the rollout copy with the saved weight
-        version (versions only grow: a fresh trainer's copy holds v1)."""
+        version (versions only grow: a fresh trainer's copy holds v1).
+
+        The optimizer's moments and the schedule's position come from ``state``; its settings (``lr``,
+        ``weight_decay``, ``warmup_steps``) from this trainer's config, so a resumed run may change them (a changed
+        one is logged).
+        """
+        cfg = self.config
         self.policy.load_state_dict(state["transformer"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        saved = state["optimizer"]["param_groups"][0]
+        for key, now in (("lr", cfg.lr), ("weight_decay", cfg.weight_decay)):
+            before = saved.get("initial_lr" if key == "lr" else key)
+            if before is not None and before != now:
+                logger.info("algorithm.%s changed on resume: %g -> %g", key, before, now)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+        optimizer_steps = int(state["scheduler"]["last_epoch"])  # the schedule's position: steps applied
+        self.scheduler = warmup_schedule(self.optimizer, warmup_steps=cfg.warmup_steps, steps_done=optimizer_steps)
         self.steps_done = int(state["steps_done"])
         with torch.no_grad():
             version = max(int(state["weight_version"]), self.sender.version + 1)

@@ -15,6 +15,7 @@ random ``tiny-sd3`` runs that path here), or a flow model a run saved.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
@@ -205,12 +206,27 @@ def build_reward(cfg: DiffusionConfig, device: torch.device | str = "cpu") -> Im
                 except ValueError as err:
                     raise ValueError(f"{key}: {err} (reward.name is named_colour)") from None
     if cfg.reward.name == "clip_score":
-        if not (Path(cfg.reward.model_path).expanduser() / "config.json").is_file():
+        path = Path(cfg.reward.model_path).expanduser()
+        fix = "pass a downloaded PickScore / CLIP directory (a CLIPModel with its processor)"
+        if not (path / "config.json").is_file():
             raise ValueError(
-                f"reward.model_path {cfg.reward.model_path!r} is not a local model directory (no config.json); pass "
-                "a downloaded PickScore / CLIP directory"
+                f"reward.model_path {cfg.reward.model_path!r} is not a local model directory (no config.json); {fix}"
             )
-        return ClipScore(str(Path(cfg.reward.model_path).expanduser()), device=device)
+        try:
+            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        except (ValueError, AttributeError):
+            model_type = None
+        if model_type != "clip":
+            raise ValueError(
+                f"reward.model_path {cfg.reward.model_path!r} holds a {model_type!r} model, not a CLIP model; {fix}"
+            )
+        try:
+            return ClipScore(str(path), device=device)
+        except (OSError, ValueError, RuntimeError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(
+                f"reward.model_path {cfg.reward.model_path!r} could not be loaded ({first}); {fix}"
+            ) from err
     return IMAGE_REWARDS[cfg.reward.name]
 
 
@@ -239,7 +255,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             "model.device is cuda but no GPU is visible (torch.cuda.is_available() is False); use --model.device cpu "
-            "or auto"
+            "or auto (a recipe with a tiny twin runs its settings on the CPU with --tiny)"
         )
     return torch.device("cuda" if device == "auto" and torch.cuda.is_available() else device.replace("auto", "cpu"))
 
@@ -305,6 +321,15 @@ def run_diffusion(
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     with _run_log(run_dir) as start_log:
+        if resume_from is not None:  # the checkpoint's transformer loads into this model: it must be the same one
+            recorded = yaml.safe_load((Path(resume_from) / "config.yaml").read_text()).get("model", {})
+            for key in ("path", "resolution", "seed", "max_sequence_length"):
+                if recorded.get(key) != getattr(cfg.model, key):
+                    raise RunSetupError(
+                        f"model.{key} is {getattr(cfg.model, key)!r} but the checkpoint {resume_from} trained "
+                        f"{recorded.get(key)!r}: a resumed run keeps its model; to train that checkpoint's model on "
+                        f"another setting, start a new run with --model.path {Path(resume_from) / 'model'}"
+                    )
         try:
             device = resolve_device(cfg.model.device)
             reward = build_reward(cfg, device)
