@@ -85,7 +85,7 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_ctrl_c_finishes_the_step_saves_and_the_run_continues(tmp_path, monkeypatch):
-    plugin = tmp_path / "interrupting.py"
+    plugin = tmp_path / "diffusion_interrupting_reward.py"
     plugin.write_text(
         "import os, signal\ncalls = []\n"
         "def reward(prompts, images):\n"
@@ -142,7 +142,7 @@ def test_bad_input_is_one_line_naming_the_field(tmp_path, capsys, extra, message
     ],
 )
 def test_a_reward_that_fails_in_the_run_is_one_line(tmp_path, capsys, body, extra, message):
-    plugin = tmp_path / "broken.py"
+    plugin = tmp_path / "diffusion_broken_reward.py"
     plugin.write_text(f"def reward(prompts, images):\n    {body}\n")
     assert train(tmp_path, "r", "--loop.num-steps", "2", "--reward.path", f"{plugin}:reward", *extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -174,7 +174,7 @@ def test_a_resume_keeps_its_model(tmp_path, capsys):
 
 
 def test_a_reward_function_replaces_the_named_reward_and_its_signature_is_checked(tmp_path, capsys):
-    plugin = tmp_path / "rewards.py"
+    plugin = tmp_path / "diffusion_one_arg_reward.py"
     plugin.write_text("def one(images):\n    return []\n")
     cfg = resolve_config(RECIPE, ["--reward.path", f"{plugin}:one"])
     assert cfg.reward.name is None  # the config records what runs

@@ -222,6 +222,12 @@ def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
         missing = [] if weights.is_file() else ["transformer/diffusion_pytorch_model.safetensors"]
         if not missing and json.loads((src / "miles_flow.json").read_text()).get("kind") == "sd3":
             return _export_pipeline(src, out)
+    if missing:
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint_dir}: {src} lacks {missing}; pass a runs/<name>/checkpoints/step_N directory"
+        )
+    if out.exists():
+        raise FileExistsError(f"--out {out} already exists; pass a new directory (export never overwrites)")
     bad = [name for name, t in load_file(weights).items() if not torch.isfinite(t).all()]
     if bad:
         raise ValueError(f"--checkpoint {checkpoint_dir}: weights {bad[:3]} hold NaN/inf; export an earlier step")
