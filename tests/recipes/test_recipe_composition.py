@@ -109,6 +109,7 @@ def _nested(flat: dict) -> dict:
     probe = {"tokens": 16, "max_abs_diff": None, "prompt": ProbeConfig().prompt}  # the weight probe: added later
     tree["engine"] = {**flat["engine"], "delta_weights": False, "probe": probe}  # delta updates: added later, off
     tree["engine"] |= {"routed_experts": False}  # routing replay (R3): added later, off
+    tree["engine"] |= {"weight_codec": "identity"}  # quantized rollout: added later, off
     tree["run"] = {**flat["run"], "tensorboard": False, "wandb": None}  # TensorBoard, W&B: added later, off
     tree["reward"] |= {"group_path": ""}
     code = {"time_limit_s": 5.0, "memory_limit_mib": 1024}  # reward.type code and remote: added later, at defaults
@@ -120,6 +121,7 @@ def _nested(flat: dict) -> dict:
         "lora": None,
         "backend": "fsdp2",
         "freeze_vision_tower": False,
+        "qat": "none",
         "megatron": {"tensor_parallel_size": 1, "expert_parallel_size": 1},
     }
     return tree

@@ -129,6 +129,7 @@ class MilesConfig(BaseModel):
         self._check_execution()
         self._check_loop()
         self._check_megatron()
+        self._check_qat()
         lora = self.train.lora
         if lora is not None and lora.sync == "adapter":
             if self.engine.type == "sglang" and self.engine.server == "sglang" and self.loop.partial_rollout:
@@ -162,6 +163,7 @@ class MilesConfig(BaseModel):
             (lora is not None and lora.dropout > 0, "train.lora.dropout > 0", "--train.lora.dropout 0"),
             (self.models.critic is not None, "a critic (models.critic, advantage gae)", "another advantage estimator"),
             (train.dtype == "bf16", "train.dtype bf16", "--train.dtype fp32"),
+            (train.qat != "none", f"train.qat {train.qat}", "--train.qat none"),
         )
         for is_set, what, fix in refused:
             if is_set:
@@ -180,6 +182,30 @@ class MilesConfig(BaseModel):
                 f"but train.world_size is {train.world_size}: the trainer's ranks are tensor_parallel_size x "
                 "data-parallel replicas, the replicas split the experts expert_parallel_size ways; pick sizes whose "
                 f"product divides {train.world_size}"
+            )
+
+    def _check_qat(self) -> None:
+        """QAT trains for the engine's quantized weights: the same codec on both sides, FSDP2 without LoRA."""
+        qat = self.train.qat
+        if qat == "none":
+            return
+        codec = getattr(self.engine, "weight_codec", None)
+        if codec is None:
+            raise ValueError(
+                f"train.qat is {qat!r} but engine.type {self.engine.type} has no weight_codec (quantized rollout is "
+                f"wired for the embedded engine): use --engine.type embedded --engine.weight-codec {qat}, or drop "
+                "--train.qat"
+            )
+        if codec != qat:
+            other = "drop --train.qat" if codec == "identity" else f"--train.qat {codec}"
+            raise ValueError(
+                f"train.qat is {qat!r} but engine.weight_codec is {codec!r}: QAT trains for the engine's weights, so "
+                f"the two must name one codec. Set --engine.weight-codec {qat}, or {other}"
+            )
+        if self.train.lora is not None:
+            raise ValueError(
+                f"train.qat is {qat!r} with train.lora on: QAT fake-quantizes full linear weights, not base + "
+                "adapter. Drop --train.lora, or --train.qat"
             )
 
     def _check_loop(self) -> None:

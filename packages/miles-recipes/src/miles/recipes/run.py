@@ -561,7 +561,7 @@ def build_inputs(cfg: MilesConfig) -> tuple[RewardFn, DataSource, list]:
 
 def build_probe(cfg: MilesConfig, tokenizer: Any) -> LogProbProbe | None:
     """The weight probe of ``engine.probe`` (None when its ``tokens`` is 0): the prompt tokenized as is, the
-    rollouts' temperature, the tolerance for the engine's dtype."""
+    rollouts' temperature, the tolerance for the engine's dtype and weight codec."""
     from miles.core.publisher import LogProbProbe
 
     probe = cfg.engine.probe
@@ -571,7 +571,10 @@ def build_probe(cfg: MilesConfig, tokenizer: Any) -> LogProbProbe | None:
         tokenizer(probe.prompt, add_special_tokens=False)["input_ids"],
         temperature=cfg.rollout.sampling.temperature,
         max_new_tokens=probe.tokens,
-        max_abs_diff=probe.tolerance(cfg.engine.dtype),
+        max_abs_diff=probe.tolerance(
+            cfg.engine.dtype,
+            exact_weights=getattr(cfg.engine, "weight_codec", "identity") in ("identity", cfg.train.qat),
+        ),
         seed=cfg.rollout.seed,
     )
 

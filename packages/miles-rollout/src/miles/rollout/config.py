@@ -215,7 +215,8 @@ class ProbeConfig(_Section):
         allow_inf_nan=False,
         description="Largest |engine - trainer| log-prob (nats) of a probe token before the update counts as failed "
         "(the run stops: the engine does not sample with the trainer's weights); null = 0.1 for an fp32 engine, 1.0 "
-        "for bf16 (fp32 engines agree to ~1e-5 here; one damaged linear layer moved a tiny model's by 0.2-0.5).",
+        "for bf16 or quantized weights without train.qat (fp32 engines agree to ~1e-5 here; one damaged linear "
+        "layer moved a tiny model's by 0.2-0.5).",
     )
     prompt: str = Field(
         "The quick brown fox jumps over the lazy dog. Counting on: one, two, three,",
@@ -232,11 +233,12 @@ class ProbeConfig(_Section):
             )
         return self
 
-    def tolerance(self, engine_dtype: str) -> float:
-        """``max_abs_diff``, or its default for an engine of ``engine_dtype`` ("fp32" / "bf16")."""
+    def tolerance(self, engine_dtype: str, *, exact_weights: bool = True) -> float:
+        """``max_abs_diff``, or its default for an engine of ``engine_dtype`` ("fp32" / "bf16") whose weights are
+        (``exact_weights``) or are not (a lossy ``weight_codec`` the trainer does not fake-quantize) the trainer's."""
         if self.max_abs_diff is not None:
             return self.max_abs_diff
-        return 0.1 if engine_dtype == "fp32" else 1.0
+        return 0.1 if engine_dtype == "fp32" and exact_weights else 1.0
 
 
 def _probe_field() -> Any:
@@ -276,6 +278,14 @@ class EmbeddedEngineConfig(_Section):
         description="MoE routing replay (R3): record the experts every router chose for each token (from the forward "
         "that gave the log-probs) and have the trainer route each token to them, gating weights from its live "
         "router logits. Needs an MoE model (Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5, GLM-5).",
+    )
+    weight_codec: Literal["identity", "fp8", "mxfp8", "nvfp4", "int4"] = Field(
+        "identity",
+        description="Quantized rollout: the engine's weights are the miles.sync codec's round trip of the trainer's "
+        "(fp8: E4M3 per 128x128 tile, mxfp8, nvfp4, int4: groups of 128), from the start and after every update "
+        "(which travels in that format); norms, embeddings, the LM head, biases and routers stay exact. On CPU the "
+        "engine computes with the dequantized values: the numerics of a quantized engine, not its speed. The cost "
+        "shows in train_rollout_logprob_abs_diff; --train.qat with the same codec removes it. identity = exact.",
     )
     delta_weights: bool = _delta_weights_field()
     probe: ProbeConfig = _probe_field()

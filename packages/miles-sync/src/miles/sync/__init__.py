@@ -11,12 +11,12 @@ Example::
 """
 
 from miles.sync.bucket import Bucket, BucketMeta, PartMeta, TensorMeta
-from miles.sync.codecs import CODECS, Codec, get_codec
+from miles.sync.codecs import CODECS, Codec, get_codec, roundtrip
 from miles.sync.disk import DiskWeightWriter, list_versions, read_hf_weights, read_manifest, read_weights
 from miles.sync.errors import WeightUpdateError
 from miles.sync.fanout import EnginePushStats, FanOutError, FanOutPushStats, MultiEngineSender
 from miles.sync.receiver import WeightReceiver
-from miles.sync.sender import DEFAULT_CODEC_EXCLUDE, WeightSender
+from miles.sync.sender import DEFAULT_CODEC_EXCLUDE, WeightSender, uses_codec
 from miles.sync.transports import Transport
 from miles.sync.transports.cuda_ipc import CudaIpcEndpoint, CudaIpcTransport
 from miles.sync.transports.distributed import DistributedEndpoint, DistributedTransport
@@ -60,4 +60,6 @@ __all__ = [
     "read_hf_weights",
     "read_manifest",
     "read_weights",
+    "roundtrip",
+    "uses_codec",
 ]

@@ -24,6 +24,19 @@ DEFAULT_CODEC_EXCLUDE = (r"norm", r"embed", r"lm_head", r"\.bias$", r"router", r
 sensitive to quantization (the usual choice of FP8 RL recipes, e.g. slime's and DeepSeek-V3's)."""
 
 
+def uses_codec(name: str, tensor: Tensor, codec: str | Codec, codec_exclude: Iterable[re.Pattern | str] = ()) -> bool:
+    """Whether ``WeightSender`` encodes tensor ``name`` with ``codec`` (else it travels exactly): the codec is lossy
+    (not identity), the tensor is codec-eligible and its name matches none of ``codec_exclude`` (``re.search``).
+    The one rule both sides of a quantized rollout use: the sender, an engine quantizing its initial weights and
+    the trainer's fake quantization (QAT)."""
+    codec_name = codec if isinstance(codec, str) else codec.name
+    return (
+        codec_name != "identity"
+        and is_codec_eligible(tensor)
+        and not any(re.search(pattern, name) for pattern in codec_exclude)
+    )
+
+
 def encode_tensors(
     named_tensors: Iterable[tuple[str, Tensor]], codec: Codec, codec_exclude: Iterable[re.Pattern] = ()
 ) -> Iterator[EncodedTensor]:
@@ -33,12 +46,7 @@ def encode_tensors(
     identity = get_codec("identity")
     for name, tensor in named_tensors:
         tensor = tensor.detach()
-        use_codec = (
-            codec.name != "identity"
-            and is_codec_eligible(tensor)
-            and not any(pattern.search(name) for pattern in codec_exclude)
-        )
-        chosen = codec if use_codec else identity
+        chosen = codec if uses_codec(name, tensor, codec, codec_exclude) else identity
         yield EncodedTensor(name, tuple(tensor.shape), tensor.dtype, chosen.name, chosen.encode(tensor))
 
 

@@ -138,6 +138,14 @@ class TrainConfig(BaseModel):
         "and each weight push sends the merged weights (W + scale * B A; the untouched ones exactly as loaded). "
         "null (the default) = full fine-tuning; --train.lora on (or any --train.lora.KEY) turns it on.",
     )
+    qat: Literal["none", "int4", "fp8", "mxfp8", "nvfp4"] = Field(
+        "none",
+        description="Quantization-aware training for a quantized rollout (engine.weight_codec, the same codec): the "
+        "policy's linear layers compute with the codec's round trip of their weights (what the engine holds) and "
+        "pass gradients straight through to the full-precision master weights, so the trainer's log-probs equal the "
+        "engine's. Norms, embeddings, the LM head, biases and routers stay exact, as on the wire. fsdp2 backend, "
+        "without LoRA. none = train on the unquantized weights.",
+    )
     skip_nonfinite_steps: bool = Field(
         True,
         description="true: skip (and count, as skipped_steps) an optimizer step whose loss or grad norm is NaN/inf; "

@@ -159,8 +159,12 @@ class EmbeddedEngine:
             returned log-probs: the rescoring forward in "prefill" mode, the prefill and decode steps of
             ``generate`` in "decode" mode; a continued request keeps each token's routing from its first segment.
             MoE models run through HF ``generate`` (the continuous loop runs dense Llama-family models).
-    Raises: ValueError for an unknown dtype or logprob_mode, max_batch_size < 1, a path without a model, or
-        routed_experts for a model without MoE routers.
+        weight_codec: a ``miles.sync`` codec the weight updates travel with ("identity": exact); a lossy one
+            (fp8, mxfp8, nvfp4, int4) also quantizes the weights loaded from ``model_path`` the same way
+            (``miles.sync.roundtrip`` of what ``uses_codec`` selects), so that every version the engine samples with
+            holds the codec's values: a quantized-weight engine emulated by dequantized weights.
+    Raises: ValueError for an unknown dtype, logprob_mode or weight_codec, max_batch_size < 1, a path without a
+        model, or routed_experts for a model without MoE routers.
 
     With continuous batching, weights may also change between two decode steps of running requests (a
     ``load_weights`` without a pause): their open segments close there, so every token is tagged with the weights
@@ -187,8 +191,10 @@ class EmbeddedEngine:
         logprob_mode: Literal["prefill", "decode"] = "prefill",
         continuous: bool = True,
         routed_experts: bool = False,
+        weight_codec: str = "identity",
     ) -> None:
         from miles.core.precision import resolve_dtype
+        from miles.sync import DEFAULT_CODEC_EXCLUDE, get_codec, roundtrip, uses_codec
 
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"engine dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
@@ -197,9 +203,15 @@ class EmbeddedEngine:
             raise ValueError(f"logprob_mode must be 'prefill' or 'decode', got {logprob_mode!r}")
         if max_batch_size < 1:
             raise ValueError(f"engine max_batch_size is {max_batch_size}; it must be >= 1")
+        codec = get_codec(weight_codec)
         warn_if_slow_bf16(DTYPES[dtype], logger, where="engine.dtype")
         self.model = load_policy_model(model_path, dtype=DTYPES[dtype]).eval()
         self.model.requires_grad_(False)
+        self.weight_codec = codec.name
+        with torch.no_grad():  # the loaded weights as the codec carries them, as every later update is
+            for name, param in self.model.named_parameters():
+                if uses_codec(name, param, codec, DEFAULT_CODEC_EXCLUDE):
+                    param.copy_(roundtrip(codec, param))
         if stop_token_ids is None:
             eos = self.model.generation_config.eos_token_id
             stop_token_ids = [eos] if isinstance(eos, int) else list(eos or [])

@@ -338,9 +338,12 @@ def _embedded(cfg: EmbeddedEngineConfig, model_path: str | Path) -> LaunchedEngi
         max_batch_size=cfg.max_batch_size,
         logprob_mode=cfg.logprob_mode,
         routed_experts=cfg.routed_experts,
+        weight_codec=cfg.weight_codec,
     )
-    sender = WeightSender(InProcessTransport(engine.receiver), delta=cfg.delta_weights)
-    description = f"embedded ({cfg.dtype}{', delta updates' if cfg.delta_weights else ''})"
+    sender = WeightSender(InProcessTransport(engine.receiver), codec=cfg.weight_codec, delta=cfg.delta_weights)
+    extras = [f"{cfg.weight_codec} weights"] if cfg.weight_codec != "identity" else []
+    extras += ["delta updates"] if cfg.delta_weights else []
+    description = f"embedded ({', '.join([cfg.dtype, *extras])})"
     return LaunchedEngine(engine, sender, description, closers=[engine.close])
 
 

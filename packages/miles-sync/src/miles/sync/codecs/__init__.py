@@ -66,4 +66,15 @@ def is_codec_eligible(tensor: Tensor) -> bool:
     return tensor.is_floating_point() and tensor.numel() > 0
 
 
-__all__ = ["CODECS", "Codec", "get_codec", "is_codec_eligible"]
+def roundtrip(codec: str | Codec, tensor: Tensor) -> Tensor:
+    """``decode(encode(tensor))``: what a receiver holds after ``tensor`` travelled with ``codec`` (the same shape
+    and dtype). Used to emulate a quantized engine's weights and for fake quantization in training (QAT), so that
+    both sides compute with exactly the values the wire carries.
+
+    Raises: ValueError for an unknown codec name.
+    """
+    codec = get_codec(codec) if isinstance(codec, str) else codec
+    return codec.decode(codec.encode(tensor), shape=tuple(tensor.shape), dtype=tensor.dtype)
+
+
+__all__ = ["CODECS", "Codec", "get_codec", "is_codec_eligible", "roundtrip"]

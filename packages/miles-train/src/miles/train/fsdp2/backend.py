@@ -111,6 +111,11 @@ class FSDP2Backend:
             tower.requires_grad_(False)  # before the optimizer, which then never sees its parameters
         if train.lora is not None:
             apply_lora(model, train.lora)
+        if train.qat != "none":
+            from miles.train.qat import apply_qat
+
+            quantized = apply_qat(model, train.qat)
+            logger.info("train.qat %s: %d linear weights fake-quantized in the forward", train.qat, len(quantized))
         mesh = init_device_mesh("cpu", (self.world_size,))
         self.model = parallelize(model, mesh=mesh, param_dtype=torch_dtype(train.dtype))
         self.optimizer = torch.optim.AdamW(
