@@ -36,8 +36,10 @@ def test_explicit_dtypes_are_kept_whatever_the_cpu(monkeypatch):
     assert precision.resolve_dtype("bf16") == "bf16"
     _cpu(monkeypatch, amx=True, avx512_bf16=True)
     assert precision.resolve_dtype("fp32") == "fp32"
-    with pytest.raises(ValueError, match=r"dtype must be one of \['auto', 'fp32', 'bf16'\], got 'fp16'"):
-        precision.resolve_dtype("fp16")
+    assert precision.resolve_dtype("fp16") == "fp16"  # never chosen by auto, kept when asked for
+    assert precision.torch_dtype("fp16") == torch.float16
+    with pytest.raises(ValueError, match=r"dtype must be one of \['auto', 'fp32', 'bf16', 'fp16'\], got 'fp8'"):
+        precision.resolve_dtype("fp8")
 
 
 def test_a_gpu_decides_before_the_cpu(monkeypatch):

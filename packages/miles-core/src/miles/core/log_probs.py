@@ -209,7 +209,13 @@ def packed_model_response_log_probs(
 
 
 def warn_if_slow_bf16(dtype: torch.dtype, logger, *, where: str) -> None:
-    """Warn when bf16 compute is asked for on a CPU without native bf16 matmul (AVX2-only: ~70x slower)."""
+    """Warn when bf16 compute is asked for on a CPU without native bf16 matmul (AVX2-only: ~70x slower), or fp16
+    compute on a machine without a GPU or AMX-FP16 (measured ~24x slower than fp32 on an AVX2 CPU)."""
+    if dtype == torch.float16 and not torch.cuda.is_available() and not torch.cpu._is_amx_fp16_supported():
+        logger.warning(
+            "%s: fp16 on a CPU without AMX-FP16 runs matmuls far slower than fp32; fp16 is for GPUs without bf16",
+            where,
+        )
     if dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "NO AVX", "AVX2"):
         logger.warning(
             "%s: bf16 on a CPU reporting %s (no AVX512-BF16/AMX) runs matmuls far slower than fp32; "

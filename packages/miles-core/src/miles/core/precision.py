@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-DTYPE_CHOICES = ("auto", "fp32", "bf16")
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def fast_bf16() -> tuple[bool, str]:
@@ -36,8 +36,8 @@ def resolve_dtype(dtype: str) -> str:
     """``dtype`` with ``auto`` decided for this machine (see ``fast_bf16``).
 
     Args:
-        dtype: "auto", "fp32" or "bf16".
-    Returns: "fp32" or "bf16".
+        dtype: "auto", "fp32", "bf16" or "fp16" (never chosen by auto).
+    Returns: "fp32", "bf16" or "fp16".
     Raises: ValueError for any other value.
     """
     if dtype == "auto":
@@ -48,5 +48,5 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
-    """The torch dtype of "fp32" / "bf16" / "auto" (resolved for this machine)."""
+    """The torch dtype of "fp32" / "bf16" / "fp16" / "auto" (resolved for this machine)."""
     return TORCH_DTYPES[resolve_dtype(dtype)]

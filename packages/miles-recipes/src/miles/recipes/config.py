@@ -130,6 +130,11 @@ class MilesConfig(BaseModel):
         self._check_loop()
         self._check_megatron()
         self._check_qat()
+        if self.train.dtype == "fp16" and self.models.critic is not None:
+            raise ValueError(
+                "train.dtype is 'fp16' with a critic (models.critic, advantage gae): the critic has no loss scaling "
+                "yet. Use --train.dtype bf16 or fp32, or another advantage estimator"
+            )
         lora = self.train.lora
         if lora is not None and lora.sync == "adapter":
             if self.engine.type == "sglang" and self.engine.server == "sglang" and self.loop.partial_rollout:
@@ -162,7 +167,7 @@ class MilesConfig(BaseModel):
         refused = (
             (lora is not None and lora.dropout > 0, "train.lora.dropout > 0", "--train.lora.dropout 0"),
             (self.models.critic is not None, "a critic (models.critic, advantage gae)", "another advantage estimator"),
-            (train.dtype == "bf16", "train.dtype bf16", "--train.dtype fp32"),
+            (train.dtype in ("bf16", "fp16"), f"train.dtype {train.dtype}", "--train.dtype fp32"),
             (train.qat != "none", f"train.qat {train.qat}", "--train.qat none"),
         )
         for is_set, what, fix in refused:

@@ -234,8 +234,9 @@ class ProbeConfig(_Section):
         return self
 
     def tolerance(self, engine_dtype: str, *, exact_weights: bool = True) -> float:
-        """``max_abs_diff``, or its default for an engine of ``engine_dtype`` ("fp32" / "bf16") whose weights are
-        (``exact_weights``) or are not (a lossy ``weight_codec`` the trainer does not fake-quantize) the trainer's."""
+        """``max_abs_diff``, or its default for an engine of ``engine_dtype`` ("fp32" / "bf16" / "fp16") whose
+        weights are (``exact_weights``) or are not (a lossy ``weight_codec`` the trainer does not fake-quantize) the
+        trainer's."""
         if self.max_abs_diff is not None:
             return self.max_abs_diff
         return 0.1 if engine_dtype == "fp32" and exact_weights else 1.0
@@ -258,10 +259,11 @@ class EmbeddedEngineConfig(_Section):
         "vllm (vLLM servers Miles starts), sglang (SGLang servers, or `miles serve` on CPU, optionally behind "
         "sglang-router).",
     )
-    dtype: Literal["auto", "fp32", "bf16"] = Field(
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "fp32",
-        description="Engine weights/compute dtype. bf16 only pays off on GPUs or CPUs with AVX512-BF16/AMX; auto "
-        "picks bf16 there and fp32 elsewhere, decided when the run starts (the reason is logged).",
+        description="Engine weights/compute dtype (fp16: GPUs without bf16). bf16 only pays off on GPUs or CPUs "
+        "with AVX512-BF16/AMX; auto picks bf16 there and fp32 elsewhere, decided when the run starts (the reason is "
+        "logged).",
     )
     max_batch_size: int = Field(
         64,
@@ -335,7 +337,7 @@ class HealthCheckConfig(_Section):
 class _ServerEngineConfig(_Section):
     """What every server engine shares: where the servers run, how Miles starts them and talks to them."""
 
-    dtype: Literal["auto", "fp32", "bf16"] = Field(
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "fp32",
         description="The servers' weights/compute dtype; auto: bf16 where the machine starting the run has fast bf16 "
         "(a GPU with bf16, a CPU with AVX512-BF16/AMX), else fp32.",

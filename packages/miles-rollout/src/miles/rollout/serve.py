@@ -676,7 +676,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", "--model-path", dest="model", required=True, help="HF model directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights and compute dtype")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights and compute dtype")
     parser.add_argument("--max-batch-size", type=int, default=64, help="most requests decoded together")
     parser.add_argument(
         "--logprob-mode",

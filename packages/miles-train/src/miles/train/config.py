@@ -96,12 +96,21 @@ class TrainConfig(BaseModel):
         description="Sequences per forward/backward; gradients accumulate to the global batch, and the "
         "result does not depend on this split (loss denominators are global).",
     )
-    dtype: Literal["auto", "bf16", "fp32"] = Field(
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "fp32",
         description="Compute dtype. fp32: everything fp32. bf16: bf16 params in forward/backward with fp32 master "
         "weights, fp32 gradient reduction and optimizer (pure bf16 rounds away updates of ~1e-5); use it on GPUs, "
-        "or CPUs with AVX512-BF16/AMX (on AVX2-only CPUs bf16 matmuls measured ~70x slower). auto: bf16 where the "
-        "machine starting the run has fast bf16, fp32 elsewhere (decided at run start, the reason logged).",
+        "or CPUs with AVX512-BF16/AMX (on AVX2-only CPUs bf16 matmuls measured ~70x slower). fp16: the same with "
+        "fp16 params and dynamic loss scaling (train.fp16_initial_loss_scale; an overflowing step is skipped and "
+        "the scale halved; metric loss_scale), for GPUs without bf16 (V100, T4). auto: bf16 where the machine "
+        "starting the run has fast bf16, fp32 elsewhere (decided at run start, the reason logged).",
+    )
+    fp16_initial_loss_scale: float = Field(
+        2.0**16,
+        ge=1.0,
+        allow_inf_nan=False,
+        description="train.dtype fp16: the first loss scale (torch.amp.GradScaler's default 65536); it halves on "
+        "each overflowing (skipped) step and doubles after 2000 steps without one. Ignored for other dtypes.",
     )
     freeze_vision_tower: bool = Field(
         False,

@@ -46,7 +46,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PAUSE_MODES = ("abort", "retract", "keep")
 
 
@@ -143,7 +143,7 @@ class EmbeddedEngine:
 
     Args:
         model_path: HF model directory (config.json + safetensors).
-        dtype: "fp32" or "bf16" for the engine's weights and compute; "auto" is bf16 where this machine has fast
+        dtype: "fp32", "bf16" or "fp16" for the engine's weights and compute; "auto" is bf16 where this machine has fast
             bf16 (``miles.core.precision``), else fp32.
         max_batch_size: most requests decoded together (the KV cache's slots).
         stop_token_ids: ids that end a response (finish_reason "stop"); default the model's eos ids.
@@ -185,7 +185,7 @@ class EmbeddedEngine:
         self,
         model_path: str | Path,
         *,
-        dtype: Literal["auto", "fp32", "bf16"] = "fp32",
+        dtype: Literal["auto", "fp32", "bf16", "fp16"] = "fp32",
         max_batch_size: int = 64,
         stop_token_ids: Sequence[int] | None = None,
         logprob_mode: Literal["prefill", "decode"] = "prefill",

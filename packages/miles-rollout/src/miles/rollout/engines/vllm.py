@@ -68,7 +68,7 @@ def default_vllm_python() -> str:
 # Miles pause modes -> vLLM's: "keep" freezes requests in place (they continue after resume, under the new
 # weights: Miles' "retract"); "wait" lets in-flight requests finish and holds new ones (Miles' "keep").
 VLLM_PAUSE_MODES = {"abort": "abort", "retract": "keep", "keep": "wait"}
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 
 
@@ -89,7 +89,7 @@ def vllm_command(
 
     Args:
         python: the interpreter of the environment vLLM is installed in ("" = this one).
-        dtype: "fp32" or "bf16" (the engine's weights and compute).
+        dtype: "fp32", "bf16" or "fp16" (the engine's weights and compute).
         enforce_eager: skip torch.compile (20-30 s startup instead of 70-100 s on a small CPU, similar speed).
         max_num_batched_tokens: chunked-prefill budget; vLLM's CPU sampler crashes on per-request seeds when a
             batch's prompts exceed it (measured on vLLM 0.32), so it is raised above vLLM's CPU default of 2048.
@@ -662,7 +662,7 @@ class VLLMWeightSink:
         delta: bool = False,
     ) -> None:
         self.engine = engine
-        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.verify = verify

@@ -67,12 +67,12 @@ class VLLMDiskWeightSink:
 
         if timeout_s <= 0:
             raise ValueError(f"timeout_s is {timeout_s}; it must be > 0 (seconds one server may take to reload)")
-        if dtype not in ("fp32", "bf16"):
-            raise ValueError(f"dtype must be 'fp32' or 'bf16' (the servers' engine.dtype), got {dtype!r}")
+        if dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype must be 'fp32', 'bf16' or 'fp16' (the servers' engine.dtype), got {dtype!r}")
         self.engine = engine
         self.writer = DiskWeightWriter(root, shard_bytes=shard_bytes, keep=keep, config_from=config_from)
         self.server_root = server_root if server_root is not None else str(self.writer.root)
-        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         self.verify = verify
         self.timeout_s = timeout_s
         self.last_verified: tuple[int, int] = (0, 0)  # (verified, not checkable) tensors of the last push

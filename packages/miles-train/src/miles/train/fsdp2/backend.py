@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -158,6 +159,11 @@ class FSDP2Backend:
             )
         self.step = 0
         self.num_skipped_steps = 0
+        self.loss_scaler = None
+        if train.dtype == "fp16":  # fp16's narrow range: the loss is scaled, the gradients unscaled before the step
+            from miles.train.loss_scale import DynamicLossScaler
+
+            self.loss_scaler = DynamicLossScaler(scale=train.fp16_initial_loss_scale)
         self._pending_loss = 0.0  # global loss of the last forward_backward, checked by optimizer_step's guard
         self._ref_replays: bool | None = None  # whether the reference model replays routing (R3), decided once
 
@@ -256,7 +262,8 @@ class FSDP2Backend:
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (not an unsharded world-size-1 model)
                 self.model.set_requires_gradient_sync(i == num_micro_batches - 1)  # reduce-scatter once, at the end
             # FSDP2 averages gradients over ranks; the loss already divides by global counts, so undo it.
-            (loss * self.world_size).backward()
+            scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+            (loss * (self.world_size * scale)).backward()
 
         dropout = adapter_dropout(self.model) if self.train_cfg.lora is not None else nullcontext()
         with dropout:
@@ -286,16 +293,24 @@ class FSDP2Backend:
 
         Args:
             loss: the loss the guard checks; default the global loss of the last ``forward_backward``.
+        With fp16 (``loss_scaler``) the gradients are unscaled first; non-finite gradients of a finite loss are an
+        overflow of the scaled backward: the step is skipped (counted in skipped_steps) and the scale backs off.
+
         Returns: grad_norm (before clipping), lr, skipped_steps (and critic_grad_norm, critic_lr,
-            critic_skipped_steps with a critic).
+            critic_skipped_steps with a critic; loss_scale, the scale of the next step, with fp16).
         """
+        loss = self._pending_loss if loss is None else loss
+        skip_nonfinite = self.train_cfg.skip_nonfinite_steps
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_(self.model.parameters())
+            skip_nonfinite = skip_nonfinite or math.isfinite(loss)  # an overflow is part of fp16 training
         grad_norm, applied = guarded_step(
             self.model,
             self.optimizer,
             self.scheduler,
-            loss=self._pending_loss if loss is None else loss,
+            loss=loss,
             grad_clip=self.train_cfg.grad_clip,
-            skip_nonfinite=self.train_cfg.skip_nonfinite_steps,
+            skip_nonfinite=skip_nonfinite,
             step=self.step,
             what="policy",
             lr_key="train.lr",
@@ -308,6 +323,9 @@ class FSDP2Backend:
             "lr": self.scheduler.get_last_lr()[0],
             "skipped_steps": float(self.num_skipped_steps),
         }
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=not applied)
+            metrics["loss_scale"] = self.loss_scaler.scale
         if self.critic is not None and self.critic.pending_loss is not None:
             metrics.update(self.critic.optimizer_step())
         return metrics
@@ -398,9 +416,10 @@ class FSDP2Backend:
                 },
                 path / "critic" / "optimizer.pt",
             )
-        (path / "trainer_state.json").write_text(
-            json.dumps({"step": self.step, "skipped_steps": self.num_skipped_steps}, indent=2)
-        )
+        trainer_state = {"step": self.step, "skipped_steps": self.num_skipped_steps}
+        if self.loss_scaler is not None:
+            trainer_state["loss_scaler"] = self.loss_scaler.state_dict()
+        (path / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
 
     def load(self, path: Path) -> None:
         """Restore model, optimizer, scheduler, step (and the critic) from ``save``'s layout.
@@ -451,6 +470,8 @@ class FSDP2Backend:
                 )
             self.critic.step = trainer_state["step"]
         self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]
+        if self.loss_scaler is not None and "loss_scaler" in trainer_state:  # else: a run switched to fp16 restarts it
+            self.loss_scaler.load_state_dict(trainer_state["loss_scaler"])
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
