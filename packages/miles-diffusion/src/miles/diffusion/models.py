@@ -126,6 +126,12 @@ def _tiny(transformer: nn.Module, source: dict) -> FlowModel:
     )
 
 
+def _absent_components(index: dict) -> dict[str, None]:
+    """The pipeline components ``model_index.json`` lists as absent (``[null, null]``, e.g. SD3 saved without T5),
+    as ``from_pretrained`` keyword arguments that keep them None instead of failing to load them."""
+    return {name: None for name, entry in index.items() if isinstance(entry, list) and entry[0] is None}
+
+
 def sd3_flow_model(
     pipeline_dir: Path | str, *, resolution: int | None = None, max_sequence_length: int = 256
 ) -> FlowModel:
@@ -153,8 +159,7 @@ def sd3_flow_model(
             f"{pipeline_dir} is not a diffusers StableDiffusion3Pipeline directory (model_index.json's _class_name is "
             f"{index.get('_class_name')!r})"
         )
-    absent = {name: None for name, entry in index.items() if isinstance(entry, list) and entry[0] is None}
-    pipe = StableDiffusion3Pipeline.from_pretrained(pipeline_dir, dtype=torch.float32, **absent)
+    pipe = StableDiffusion3Pipeline.from_pretrained(pipeline_dir, dtype=torch.float32, **_absent_components(index))
     for part in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
         if part is not None:
             part.eval().requires_grad_(False)
@@ -245,8 +250,7 @@ def export_pipeline(model: FlowModel, out: Path) -> None:
     if model.source.get("kind") != "sd3":
         raise ValueError("only an SD3 pipeline's model exports as a pipeline")
     index = json.loads((Path(model.source["pipeline"]) / "model_index.json").read_text())
-    absent = {name: None for name, entry in index.items() if isinstance(entry, list) and entry[0] is None}
     pipe = StableDiffusion3Pipeline.from_pretrained(
-        model.source["pipeline"], transformer=model.transformer, dtype=torch.float32, **absent
+        model.source["pipeline"], transformer=model.transformer, dtype=torch.float32, **_absent_components(index)
     )
     pipe.save_pretrained(out)
