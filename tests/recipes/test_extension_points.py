@@ -332,3 +332,16 @@ def test_two_plugins_in_one_file_share_its_module(tmp_path):
     reward = load_plugin(f"{tmp_path}/shared_state.py:one", key="reward.path")
     group = load_plugin(f"{tmp_path}/shared_state.py:group", key="reward.group_path")
     assert reward(None) == 1.0 and group([None, None]) == [1, 1]
+
+
+def test_a_plugin_file_named_like_an_importable_module_does_not_shadow_it(tmp_path, monkeypatch):
+    # Regression: a file plugin registered under its bare stem made a later `stem:attr` plugin get the file's module.
+    (tmp_path / "on_path").mkdir()
+    (tmp_path / "on_path" / "score_shadow_probe.py").write_text("def score(sample):\n    return 1.0\n")
+    (tmp_path / "file_dir").mkdir()
+    (tmp_path / "file_dir" / "score_shadow_probe.py").write_text("def score(sample):\n    return 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "on_path"))
+    from_file = load_plugin(f"{tmp_path}/file_dir/score_shadow_probe.py:score", key="reward.path")
+    from_module = load_plugin("score_shadow_probe:score", key="reward.path")
+    assert (from_file(None), from_module(None)) == (2.0, 1.0)
+    assert from_file.__module__.startswith("score_shadow_probe_") and from_module.__module__ == "score_shadow_probe"

@@ -259,8 +259,9 @@ def _import_module(module_name: str, key: str) -> ModuleType:
 
 def _import_file(file_name: str, key: str) -> ModuleType:
     """Run ``file_name`` as a module, once per process: it is registered in ``sys.modules`` under its stem (or the
-    stem and a hash of its path, when another module has the stem), so that two plugins in one file share it and
-    its functions pickle by reference within this process."""
+    stem and a hash of its path, when another module has the stem: imported, or importable from ``sys.path``, so a
+    plugin file never shadows a module a later ``module:attr`` plugin names), so that two plugins in one file share
+    it and its functions pickle by reference within this process."""
     file = Path(file_name).expanduser().resolve()
     if not file.is_file():
         raise ImportError(
@@ -268,7 +269,7 @@ def _import_file(file_name: str, key: str) -> ModuleType:
             "module on PYTHONPATH or in the current directory as module:attr"
         )
     name = file.stem
-    if name in sys.modules and getattr(sys.modules[name], "__file__", None) != str(file):
+    if _stem_taken(name, file):
         name = f"{file.stem}_{hashlib.sha256(str(file).encode()).hexdigest()[:8]}"
     if name in sys.modules:
         return sys.modules[name]
@@ -283,6 +284,17 @@ def _import_file(file_name: str, key: str) -> ModuleType:
         del sys.modules[name]
         raise ImportError(f"{key}: importing {file_name!r} failed: {_where(err)}") from err
     return module
+
+
+def _stem_taken(name: str, file: Path) -> bool:
+    """Whether module ``name`` is, or would import as, something other than ``file``."""
+    if name in sys.modules:
+        return getattr(sys.modules[name], "__file__", None) != str(file)
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a broken package of that name: keep clear of it too
+        return True
+    return spec is not None and spec.origin != str(file)
 
 
 def _where(err: Exception) -> str:
