@@ -138,7 +138,7 @@ def test_the_moe_routing_shape_comes_from_the_models_config_and_a_dense_model_is
     (dense / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
     with pytest.raises(ServerStartError, match="no num_hidden_layers / num_experts_per_tok .*drop --engine.routed"):
         moe_routing_shape(dense)
-    command, _, _ = _server_command(SGLangEngineConfig(routed_experts=True), moe, 30000, 0)
+    command, _ = _server_command(SGLangEngineConfig(routed_experts=True), moe, 30000, 0)
     assert "--enable-return-routed-experts" in command
     assert "--enable-return-routed-experts" not in _server_command(SGLangEngineConfig(), moe, 30000, 0)[0]
     miles_serve = _server_command(SGLangEngineConfig(routed_experts=True, server="miles"), moe, 30000, 0)[0]

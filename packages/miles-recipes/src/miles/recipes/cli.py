@@ -171,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         "steps, small batches, offline data); `miles recipes list` marks the recipes that have one",
     )
     train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what the run would start (Ray placement groups, engine server commands, trainer ranks, the "
+        "weight path) and exit without starting, loading or downloading anything",
+    )
+    train.add_argument(
         "--overwrite",
         action="store_true",
         help="start --run.name over: delete its checkpoints and metrics (once the new run is built)",
@@ -257,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg, checkpoint = resolve_config(recipe, rest, tiny=getattr(args, "tiny", False)), None
     except ValueError as err:
         return _fail(err)
+    if getattr(args, "dry_run", False):
+        return _dry_run(cfg)
     if args.command == "config":
         from miles.recipes.overrides import documented_yaml
 
@@ -279,6 +287,20 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as err:
                 return _fail(err)
         return _train(cfg, run_dir, checkpoint, resumed=resume is not None, overwrite=overwrite)
+
+
+def _dry_run(cfg: Any) -> int:
+    """``miles train --dry-run``: print the launch plan (``miles.recipes.plan``) of an LLM run; a diffusion run is
+    one process, said in one line."""
+    from miles.recipes.config import MilesConfig
+    from miles.recipes.plan import launch_plan
+
+    if not isinstance(cfg, MilesConfig):
+        where = f"in this process on device {cfg.model.device}"
+        print(f"# miles train --dry-run: a {cfg.kind} run trains {where}; it starts nothing else")  # noqa: T201
+        return 0
+    print(launch_plan(cfg), end="")  # noqa: T201 - CLI output
+    return 0
 
 
 def _show_recipe(name: str | None, *, tiny: bool) -> int:

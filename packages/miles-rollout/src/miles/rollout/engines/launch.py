@@ -471,29 +471,24 @@ def _start_vllm_actors(
     Returns their URLs. Raises: ServerStartError (install command, missing model) before any actor starts."""
     from miles.rollout.engines.server import ServerStartError
     from miles.rollout.engines.server_actor import ServerSpec
-    from miles.rollout.engines.vllm import check_vllm_installed, default_vllm_python, vllm_command, vllm_env
+    from miles.rollout.engines.vllm import check_vllm_installed, default_vllm_python
 
     if not (Path(model_path) / "config.json").is_file():
         raise ServerStartError(
             f"no model at {model_path} (no config.json there); set models.policy.path to an HF model directory"
         )
-    python = cfg.python or default_vllm_python()
-    check_vllm_installed(python)
-    env = {**vllm_env(kv_cache_gib=cfg.kv_cache_gib), **_server_env(cfg), **_lora_env(lora_rank)}
+    check_vllm_installed(cfg.python or default_vllm_python())
     specs = []
-    for i, port in enumerate(_server_ports(cfg)):
-        command = vllm_command(
-            model_path, python=python, host=cfg.host, port=port, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager, seed=seed, extra_args=[*_lora_args(lora_rank), *cfg.extra_args],
-        )  # fmt: skip
+    planned = planned_servers(cfg, model_path, seed, ports=_server_ports(cfg), lora_rank=lora_rank)
+    for i, server in enumerate(planned):
         specs.append(
             ServerSpec(
-                f"vLLM server {i}",
-                command,
-                port=port,
+                server.name,
+                server.argv,
+                port=server.port,
                 log_path=log_dir / f"vllm_{i}.log",
                 host=cfg.host,
-                env=env,
+                env=server.env,
                 startup_timeout_s=cfg.startup_timeout_s,
                 hold_path="/pause?mode=keep",
             )
@@ -545,10 +540,7 @@ def _sglang(
     from miles.rollout.engines.server import ServerStartError
     from miles.rollout.engines.sglang import SGLangDiskWeightSink, SGLangEngine, SGLangWeightSink
 
-    if lora_rank and cfg.server == "sglang":  # miles serve takes adapters without flags
-        from miles.rollout.engines.sglang_lora import lora_server_args
-
-        cfg = cfg.model_copy(update={"extra_args": [*lora_server_args(lora_rank), *cfg.extra_args]})
+    cfg = _with_sglang_lora_args(cfg, lora_rank)
     launched = LaunchedEngine(None, None, "")
     urls = list(cfg.urls)
     router_url = None
@@ -617,8 +609,8 @@ def _sglang(
     return launched
 
 
-def _server_command(cfg: SGLangEngineConfig, model_path: str | Path, port: int, i: int) -> tuple[list[str], str, str]:
-    """(argv, name, the fix a start failure suggests) of server ``i`` at ``port``: miles serve or SGLang."""
+def _server_command(cfg: SGLangEngineConfig, model_path: str | Path, port: int | str, i: int) -> tuple[list[str], str]:
+    """(argv, name) of server ``i`` at ``port``: miles serve or SGLang."""
     from miles.rollout.engines.sglang import launch_command
 
     if cfg.server == "miles":
@@ -633,19 +625,103 @@ def _server_command(cfg: SGLangEngineConfig, model_path: str | Path, port: int, 
             *(["--enable-return-routed-experts"] if cfg.routed_experts else []),
             *cfg.extra_args,
         ]  # fmt: skip
-        return command, f"miles serve {i}", "check the model path and the log above"
+        return command, f"miles serve {i}"
     extra = list(cfg.extra_args)
     if cfg.routed_experts and "--enable-return-routed-experts" not in extra:
         extra.insert(0, "--enable-return-routed-experts")
     command = launch_command(model_path, host=cfg.host, port=port, python=cfg.python, extra_args=extra)
-    hint = "SGLang needs a GPU and `pip install sglang`; on a CPU use --engine.server miles"
-    return command, f"SGLang server {i}", hint
+    return command, f"SGLang server {i}"
+
+
+def _server_start_hint(cfg: SGLangEngineConfig) -> str:
+    """The fix a failed start of a ``cfg.server`` server suggests."""
+    if cfg.server == "miles":
+        return "check the model path and the log above"
+    return "SGLang needs a GPU and `pip install sglang`; on a CPU use --engine.server miles"
 
 
 def _server_ports(cfg: SGLangEngineConfig) -> list[int]:
     from miles.rollout.engines.server import free_port
 
     return [cfg.port + i if cfg.port else free_port(cfg.host) for i in range(cfg.num_servers)]
+
+
+@dataclass(frozen=True)
+class PlannedServer:
+    """One server process ``launch_engine`` starts for a server engine config.
+
+    Attributes:
+        name: e.g. "vLLM server 0".
+        argv: its command line.
+        env: the variables set on top of the launching process's environment.
+        port: the port it listens on (an int, or the placeholder ``planned_servers`` was given).
+    """
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int | str
+
+
+def planned_servers(
+    cfg: VLLMEngineConfig | SGLangEngineConfig,
+    model_path: str | Path,
+    seed: int,
+    *,
+    ports: list[int] | list[str],
+    lora_rank: int = 0,
+) -> list[PlannedServer]:
+    """The server processes a vLLM / SGLang-API engine config starts, one per port: the single place their command
+    lines and environments are built (local processes, Ray server actors and ``miles train --dry-run`` use it).
+
+    Args:
+        cfg: the engine section (``engine.urls`` set means no server is started: callers check it).
+        model_path: the policy's directory.
+        seed: the rollout seed (vLLM's ``--seed``).
+        ports: one per server: ints, or placeholders a dry run prints.
+        lora_rank: the trainer's LoRA rank when adapters are synced (adds the servers' adapter flags), else 0.
+    Returns: ``cfg.num_servers`` planned servers, in order.
+    """
+    if isinstance(cfg, VLLMEngineConfig):
+        from miles.rollout.engines.vllm import default_vllm_python, vllm_command, vllm_env
+
+        python = cfg.python or default_vllm_python()
+        env = {**vllm_env(kv_cache_gib=cfg.kv_cache_gib), **_server_env(cfg), **_lora_env(lora_rank)}
+        return [
+            PlannedServer(
+                f"vLLM server {i}",
+                vllm_command(
+                    model_path,
+                    python=python,
+                    host=cfg.host,
+                    port=port,
+                    dtype=cfg.dtype,
+                    max_model_len=cfg.max_model_len,
+                    enforce_eager=cfg.enforce_eager,
+                    seed=seed,
+                    extra_args=[*_lora_args(lora_rank), *cfg.extra_args],
+                ),
+                env,
+                port,
+            )
+            for i, port in enumerate(ports)
+        ]
+    cfg = _with_sglang_lora_args(cfg, lora_rank)
+    planned = []
+    for i, port in enumerate(ports):
+        argv, name = _server_command(cfg, model_path, port, i)
+        planned.append(PlannedServer(name, argv, _server_env(cfg), port))
+    return planned
+
+
+def _with_sglang_lora_args(cfg: SGLangEngineConfig, lora_rank: int) -> SGLangEngineConfig:
+    """``cfg`` with SGLang's runtime-adapter flags first in ``extra_args`` when adapters are synced to SGLang
+    servers (``miles serve`` takes adapters without flags)."""
+    if not lora_rank or cfg.server != "sglang":
+        return cfg
+    from miles.rollout.engines.sglang_lora import lora_server_args
+
+    return cfg.model_copy(update={"extra_args": [*lora_server_args(lora_rank), *cfg.extra_args]})
 
 
 def _start_server_processes(
@@ -655,15 +731,15 @@ def _start_server_processes(
     from miles.rollout.engines.server import ServerProcess
 
     urls = []
-    for i, port in enumerate(_server_ports(cfg)):
-        command, name, hint = _server_command(cfg, model_path, port, i)
+    hint = _server_start_hint(cfg)
+    for i, planned in enumerate(planned_servers(cfg, model_path, 0, ports=_server_ports(cfg))):
         server = ServerProcess(
-            name,
-            command,
+            planned.name,
+            planned.argv,
             host=cfg.host,
-            port=port,
+            port=planned.port,
             log_path=log_dir / f"{cfg.server}_{i}.log",
-            env=_server_env(cfg),
+            env=planned.env,
             startup_timeout_s=cfg.startup_timeout_s,
             hint=hint,
         )
@@ -703,16 +779,15 @@ def _start_server_actors(
     from miles.rollout.engines.server_actor import ServerSpec
 
     specs = []
-    for i, port in enumerate(_server_ports(cfg)):
-        command, name, _ = _server_command(cfg, model_path, port, i)
+    for i, planned in enumerate(planned_servers(cfg, model_path, 0, ports=_server_ports(cfg))):
         specs.append(
             ServerSpec(
-                name,
-                command,
-                port=port,
+                planned.name,
+                planned.argv,
+                port=planned.port,
                 log_path=log_dir / f"{cfg.server}_{i}.log",
                 host=cfg.host,
-                env=_server_env(cfg),
+                env=planned.env,
                 startup_timeout_s=cfg.startup_timeout_s,
                 router_url=router_url,
             )
