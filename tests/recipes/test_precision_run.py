@@ -78,3 +78,17 @@ def test_fp16_with_a_critic_is_refused_in_one_line(tiny_smollm2_dir):
         resolve_config(
             "smollm2_ppo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), "--train.dtype", "fp16"]
         )
+
+
+def test_the_weight_probe_reports_only_for_quantized_weights_without_qat(tiny_smollm2_dir):
+    from miles.recipes.run import build_probe
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_smollm2_dir)
+    base = ["--models.policy.path", str(tiny_smollm2_dir), "--engine.weight-codec", "fp8"]
+    plain = build_probe(resolve_config("smollm2_grpo_arithmetic", base), tokenizer)
+    qat = build_probe(resolve_config("smollm2_grpo_arithmetic", [*base, "--train.qat", "fp8"]), tokenizer)
+    explicit = build_probe(
+        resolve_config("smollm2_grpo_arithmetic", [*base, "--engine.probe.max-abs-diff", "2"]), tokenizer
+    )
+    assert (plain.max_abs_diff, qat.max_abs_diff, explicit.max_abs_diff) == (None, 0.1, 2.0)
