@@ -149,3 +149,21 @@ def test_a_prompt_longer_than_the_context_fails_its_samples_without_calling_the_
     )  # fmt: skip
     assert [s.status for s in samples] == [SampleStatus.FAILED] * 2
     assert samples[0].metadata["failure"] == "prompt has 39 tokens > max_prompt_tokens"
+
+
+def test_an_images_column_the_config_does_not_name_is_warned_about_once(tmp_path, caplog):
+    # Regression (new-user trial): a VLM dataset without --data.image-key trained text-only without a word.
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"question": "How many dots?", "answer": "3", "images": ["a.png"]}) + "\n")
+    with caplog.at_level("WARNING"):
+        FileSource(path)
+    warnings = [r.getMessage() for r in caplog.records if "data.image_key is empty" in r.getMessage()]
+    assert len(warnings) == 1 and "--data.image-key images" in warnings[0]
+
+
+def test_a_source_path_left_from_a_recipe_names_the_override_that_drops_it():
+    from miles.rollout.config import DataConfig
+
+    with pytest.raises(ValueError, match=r"data.source is 'file' but data.source_path is 'pkg.mod:build'.*"
+                                         r"--data.source-path '' to drop it"):  # fmt: skip
+        DataConfig(source="file", path="x.jsonl", source_path="pkg.mod:build")

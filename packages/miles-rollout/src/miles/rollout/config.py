@@ -133,6 +133,12 @@ class DataConfig(_Section):
         if self.mixture:
             self._check_mixture()
             return self
+        if self.source != "custom" and self.source_path:
+            raise ValueError(
+                f"data.source is {self.source!r} but data.source_path is {self.source_path!r} (a data-source factory, "
+                "used only with data.source custom; a recipe may have set it): add --data.source-path '' to drop it, "
+                "or --data.source custom to use it"
+            )
         if (self.source == "custom") != bool(self.source_path):
             raise ValueError(
                 f"data.source is {self.source!r} and data.source_path is {self.source_path!r}: a data-source factory "

@@ -251,7 +251,20 @@ def load_rows(
     if problems:
         logger.warning("%s: skipped %d of %d rows (data.bad_rows=skip): %s", path, len(problems),
                        len(problems) + len(rows), listed)  # fmt: skip
+    unused = [column for column in _IMAGE_COLUMNS if column in rows[0]] if not image_key else []
+    if unused:  # an images column the config does not name: the rows would train text-only, silently
+        logger.warning(
+            "%s: the rows have a %r column but data.image_key is empty, so their images are not used (text-only "
+            "prompts); pass --data.image-key %s to give them to a vision-language policy",
+            path,
+            unused[0],
+            unused[0],
+        )
     return rows, problems
+
+
+_IMAGE_COLUMNS = ("images", "image")
+"""Column names that hold images in common VLM datasets (LLaVA-style, HF ``datasets`` image features)."""
 
 
 class FileSource(EpochShuffledSource):
