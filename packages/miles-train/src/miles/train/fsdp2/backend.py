@@ -290,12 +290,11 @@ class FSDP2Backend:
     def optimizer_step(self, *, loss: float | None = None) -> dict[str, float]:
         """Clip gradients, step AdamW and the LR schedule, zero gradients; skip the step on NaN/inf (config).
         With a critic that accumulated gradients, its optimizer steps too (same guard, its own schedule).
-
-        Args:
-            loss: the loss the guard checks; default the global loss of the last ``forward_backward``.
         With fp16 (``loss_scaler``) the gradients are unscaled first; non-finite gradients of a finite loss are an
         overflow of the scaled backward: the step is skipped (counted in skipped_steps) and the scale backs off.
 
+        Args:
+            loss: the loss the guard checks; default the global loss of the last ``forward_backward``.
         Returns: grad_norm (before clipping), lr, skipped_steps (and critic_grad_norm, critic_lr,
             critic_skipped_steps with a critic; loss_scale, the scale of the next step, with fp16).
         """
