@@ -92,3 +92,15 @@ def test_the_weight_probe_reports_only_for_quantized_weights_without_qat(tiny_sm
         resolve_config("smollm2_grpo_arithmetic", [*base, "--engine.probe.max-abs-diff", "2"]), tokenizer
     )
     assert (plain.max_abs_diff, qat.max_abs_diff, explicit.max_abs_diff) == (None, 0.1, 2.0)
+
+
+def test_qat_on_fused_moe_experts_is_one_line_before_any_model_loads(tmp_path):
+    # Regression (new-user trial): the MoE twin's fused expert tensors ended the run in a traceback from the trainer.
+    from miles.recipes.run import RunSetupError
+
+    cfg = resolve_config(
+        "qwen3_30b_a3b_grpo_gsm8k", ["--engine.weight-codec", "int4", "--train.qat", "int4"], tiny=True
+    )
+    with pytest.raises(RunSetupError, match=r"experts.gate_up_proj would be quantized .* Use a dense model"):
+        run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # nothing written

@@ -122,6 +122,7 @@ def _nested(flat: dict) -> dict:
         "backend": "fsdp2",
         "freeze_vision_tower": False,
         "qat": "none",
+        "fp16_initial_loss_scale": 65536.0,
         "megatron": {"tensor_parallel_size": 1, "expert_parallel_size": 1},
     }
     return tree

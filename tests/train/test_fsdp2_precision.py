@@ -50,7 +50,7 @@ def test_fp16_scales_the_loss_and_unscales_the_gradients_before_the_step(tiny_ll
     assert all(t.dtype == torch.float32 for t in fp16.full_state_dict().values())  # fp32 master weights
 
 
-def test_fp16_overflow_skips_the_step_and_halves_the_scale_and_resume_keeps_the_scale(tiny_llama_dir, tmp_path):
+def test_fp16_overflow_skips_the_step_and_halves_the_scale_and_resume_keeps_the_scale(tiny_llama_dir, tmp_path, caplog):
     # A scale of 2^40 overflows fp16's 65504 in the backward: the step is skipped (even with skip_nonfinite_steps
     # false: overflow is part of fp16 training), the weights stay, the scale halves; a checkpoint keeps the scale.
     batch = make_batch()
@@ -60,8 +60,16 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale_and_resume_keeps_the_
         tiny_llama_dir, train=train.model_copy(update={"skip_nonfinite_steps": False}), temperature=1.0
     )
     before = backend.full_state_dict()
-    metrics = train_step(backend, batch, objective)
+    with caplog.at_level("WARNING"):
+        metrics = train_step(backend, batch, objective)
     assert metrics["skipped_steps"] == 1 and metrics["loss_scale"] == 2.0**39
+    # the run's step number (1, not the 0 steps done before it), and what it was: an overflow, not a NaN loss
+    assert any(
+        r.getMessage().startswith("step 1: non-finite policy")
+        and "an fp16 overflow of the backward at loss scale 1.09951e+12; the scale halves to 5.49756e+11"
+        in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
     after = backend.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     backend.save(tmp_path / "ckpt")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 from miles.recipes.config import MilesConfig
@@ -132,11 +133,19 @@ def _trainer(cfg: MilesConfig) -> list[str]:
     registered = ""
     if cfg.models.policy.path in MODELS:
         registered = " (a registered model, converted into the Miles cache on first use: its directory is what runs)"
+    elif not Path(cfg.models.policy.path).expanduser().is_dir():
+        registered = " (not a directory on this machine: the machines that run it need it there)"
     lines = [
         f"trainer: {world} {train.backend} rank(s) in {where}{layout}; {', '.join(extras)}{held}",
         f"policy: {cfg.models.policy.path}{registered}",
     ]
-    if cfg.execution.mode == "ray" and cfg.execution.ray.engine_gpus_per_server:
+    gpus = cfg.execution.ray.engine_gpus_per_server
+    if cfg.execution.mode == "ray" and gpus > 8:
+        lines.append(
+            f"note: an engine bundle of {gpus:g} GPUs must fit on one node (a Ray bundle never spans nodes); servers "
+            "across nodes are not wired yet"
+        )
+    if cfg.execution.mode == "ray" and gpus:
         lines.append(
             "note: the engines get GPUs, the trainer ranks CPU bundles: ranks on GPU bundles are not wired into miles "
             "train yet (train.world_size), so this trainer would run on CPUs"

@@ -744,6 +744,7 @@ def run(
         if cfg.train.backend == "megatron":  # from config.json alone, before any engine starts
             _check_megatron_models(cfg, model_path)
         _check_vision_model(cfg, model_path)
+        _check_qat_model(cfg, model_path)
         t0 = time.perf_counter()
         tokenizer = load_tokenizer(model_path)  # a VisionProcessor for a vision-language policy
         ray_mode = cfg.execution.mode == "ray"
@@ -999,6 +1000,20 @@ def _adapter_rank(cfg: MilesConfig) -> int:
     """The LoRA rank of a run whose engines apply the adapters themselves (``train.lora.sync adapter``), else 0."""
     lora = cfg.train.lora
     return lora.rank if lora is not None and lora.sync == "adapter" else 0
+
+
+def _check_qat_model(cfg: MilesConfig, model_path: Path) -> None:
+    """Refuse, in one line and before any model loads, ``train.qat`` on a model with a weight the engine's codec
+    would quantize that QAT cannot fake-quantize (fused MoE expert tensors): from config.json, on the meta device."""
+    if cfg.train.qat == "none":
+        return
+    from miles.train.qat import check_qat_model
+    from transformers import AutoConfig
+
+    try:
+        check_qat_model(AutoConfig.from_pretrained(model_path), cfg.train.qat)
+    except ValueError as err:
+        raise RunSetupError(f"models.policy.path ({model_path}): {err}") from None
 
 
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:

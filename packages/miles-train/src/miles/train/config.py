@@ -153,7 +153,8 @@ class TrainConfig(BaseModel):
         "policy's linear layers compute with the codec's round trip of their weights (what the engine holds) and "
         "pass gradients straight through to the full-precision master weights, so the trainer's log-probs equal the "
         "engine's. Norms, embeddings, the LM head, biases and routers stay exact, as on the wire. fsdp2 backend, "
-        "without LoRA. none = train on the unquantized weights.",
+        "without LoRA, models whose quantized weights are all nn.Linear (dense models: fused MoE experts are "
+        "refused). none = train on the unquantized weights.",
     )
     skip_nonfinite_steps: bool = Field(
         True,

@@ -58,6 +58,48 @@ def _fake_quant_linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
     return F.linear(x, fake_quantize(self.weight, self._miles_qat_codec), self.bias)
 
 
+def qat_targets(model: nn.Module, codec: str, *, codec_exclude: Iterable[str] = DEFAULT_CODEC_EXCLUDE) -> list[str]:
+    """The names of the weights of ``model`` that ``apply_qat`` fake-quantizes (those a ``WeightSender(codec=codec)``
+    would quantize); works on a model built on the meta device, so a run can check its model before loading it.
+
+    Raises: ValueError as ``apply_qat``.
+    """
+    if codec not in QAT_CODECS:
+        raise ValueError(f"train.qat is {codec!r}; choose one of {list(QAT_CODECS)} (or none)")
+    exclude = tuple(codec_exclude)
+    linear_weights = {
+        f"{name}.weight" if name else "weight"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    }
+    quantized = []
+    for name, param in model.named_parameters():  # tied parameters once: the first name, as a state dict push
+        if not uses_codec(name, param, codec, exclude):
+            continue
+        if name not in linear_weights:
+            raise ValueError(
+                f"train.qat {codec}: {name} would be quantized by engine.weight_codec {codec} but is not an nn.Linear "
+                "weight, which is all QAT covers here (fused MoE expert tensors are not), so the trainer and engine "
+                "would differ there. Use a dense model, or drop --train.qat (the mismatch then shows in "
+                "train_rollout_logprob_abs_diff)"
+            )
+        quantized.append(name)
+    if not quantized:
+        raise ValueError(f"train.qat {codec}: no weight of this model would be quantized; drop --train.qat")
+    return quantized
+
+
+def check_qat_model(config: object, codec: str) -> int:
+    """``qat_targets`` of the model an HF ``config`` describes, built on the meta device (no weights read, no
+    memory): the run's check before anything loads. Returns: how many weights QAT covers. Raises: ValueError as
+    ``apply_qat``."""
+    from miles.core.multimodal import auto_model_class
+
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(config)
+    return len(qat_targets(model, codec))
+
+
 def apply_qat(model: nn.Module, codec: str, *, codec_exclude: Iterable[str] = DEFAULT_CODEC_EXCLUDE) -> list[str]:
     """Fake-quantize, in place, the weights of ``model`` that a ``WeightSender(codec=codec)`` would quantize.
 
@@ -73,27 +115,12 @@ def apply_qat(model: nn.Module, codec: str, *, codec_exclude: Iterable[str] = DE
     Raises: ValueError for a codec not in ``QAT_CODECS``, or when a parameter the codec would quantize is not an
         ``nn.Linear`` weight (its name in the message), or nothing would be quantized.
     """
-    if codec not in QAT_CODECS:
-        raise ValueError(f"train.qat is {codec!r}; choose one of {list(QAT_CODECS)} (or none)")
-    exclude = tuple(codec_exclude)
+    quantized = qat_targets(model, codec, codec_exclude=codec_exclude)
     linear_weights = {
         f"{name}.weight" if name else "weight": module
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear)
     }
-    quantized = []
-    for name, param in model.named_parameters():  # tied parameters once: the first name, as a state dict push
-        if not uses_codec(name, param, codec, exclude):
-            continue
-        if name not in linear_weights:
-            raise ValueError(
-                f"train.qat {codec}: {name} would be quantized by engine.weight_codec {codec} but is not an nn.Linear "
-                "weight, which is all QAT covers here; the trainer and engine would differ there. Drop --train.qat "
-                "(the mismatch then shows in train_rollout_logprob_abs_diff)"
-            )
-        quantized.append(name)
-    if not quantized:
-        raise ValueError(f"train.qat {codec}: no weight of this model would be quantized; drop --train.qat")
     for name in quantized:
         module = linear_weights[name]
         module._miles_qat_codec = codec
@@ -101,4 +128,4 @@ def apply_qat(model: nn.Module, codec: str, *, codec_exclude: Iterable[str] = DE
     return quantized
 
 
-__all__ = ["QAT_CODECS", "apply_qat", "fake_quantize"]
+__all__ = ["QAT_CODECS", "apply_qat", "check_qat_model", "fake_quantize", "qat_targets"]

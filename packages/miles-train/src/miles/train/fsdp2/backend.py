@@ -299,10 +299,16 @@ class FSDP2Backend:
             critic_skipped_steps with a critic; loss_scale, the scale of the next step, with fp16).
         """
         loss = self._pending_loss if loss is None else loss
-        skip_nonfinite = self.train_cfg.skip_nonfinite_steps
+        skip_nonfinite, skip_note = self.train_cfg.skip_nonfinite_steps, ""
         if self.loss_scaler is not None:
             self.loss_scaler.unscale_(self.model.parameters())
-            skip_nonfinite = skip_nonfinite or math.isfinite(loss)  # an overflow is part of fp16 training
+            if math.isfinite(loss):  # non-finite gradients of a finite loss: an overflow, part of fp16 training
+                skip_nonfinite = True
+                scale = self.loss_scaler.scale
+                skip_note = (
+                    f": an fp16 overflow of the backward at loss scale {scale:g}; the scale halves to "
+                    f"{max(scale * self.loss_scaler.backoff_factor, self.loss_scaler.min_scale):g}"
+                )
         grad_norm, applied = guarded_step(
             self.model,
             self.optimizer,
@@ -313,6 +319,7 @@ class FSDP2Backend:
             step=self.step,
             what="policy",
             lr_key="train.lr",
+            skip_note=skip_note,
         )
         self._pending_loss = 0.0
         self.num_skipped_steps += not applied
@@ -471,6 +478,13 @@ class FSDP2Backend:
         self.step, self.num_skipped_steps = trainer_state["step"], trainer_state["skipped_steps"]
         if self.loss_scaler is not None and "loss_scaler" in trainer_state:  # else: a run switched to fp16 restarts it
             self.loss_scaler.load_state_dict(trainer_state["loss_scaler"])
+            if self.loss_scaler.scale != self.train_cfg.fp16_initial_loss_scale:
+                logger.info(
+                    "resumed: the loss scale continues at the checkpoint's %g (train.fp16_initial_loss_scale %g "
+                    "applies to a new run)",
+                    self.loss_scaler.scale,
+                    self.train_cfg.fp16_initial_loss_scale,
+                )
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:

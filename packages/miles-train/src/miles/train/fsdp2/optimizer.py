@@ -45,6 +45,7 @@ def guarded_step(
     what: str,
     lr_key: str,
     clip_grads: Callable[[float], torch.Tensor] | None = None,
+    skip_note: str = "",
 ) -> tuple[float, bool]:
     """Clip the gradient norm; step the optimizer and the schedule only if ``loss`` and the norm are finite; zero
     the gradients. A non-finite step is never applied: it is skipped (``skip_nonfinite``) or stops the run.
@@ -55,11 +56,12 @@ def guarded_step(
         loss: the global loss of the step (host float).
         grad_clip: max global L2 norm of the gradients.
         skip_nonfinite: ``train.skip_nonfinite_steps``.
-        step: step number, for messages.
+        step: optimizer steps done before this one (0-based); messages name step + 1, the run's step number.
         what: "policy" or "critic", for messages; lr_key: the config key of its learning rate, e.g. "train.lr".
         clip_grads: ``max_norm -> norm``: computes the global gradient norm and clips to ``max_norm`` (a backend whose
             parameters are sharded in a way ``clip_grad_norm_`` cannot see, e.g. Megatron tensor parallelism);
             default ``torch.nn.utils.clip_grad_norm_`` over ``model``'s parameters.
+        skip_note: what a skipped step's warning adds (e.g. the fp16 loss-scale overflow it was).
     Returns: (grad norm before clipping, True if the step was applied).
     Raises: FloatingPointError naming the values and the fixes when the step is non-finite and not skipped.
     """
@@ -75,11 +77,13 @@ def guarded_step(
     optimizer.zero_grad(set_to_none=True)
     if not finite and not skip_nonfinite:
         raise FloatingPointError(
-            f"step {step}: {what} loss is {loss} and grad norm {grad_norm}; applying it would turn the {what} weights "
-            "into NaN, so the run stops (train.skip_nonfinite_steps is false). Usual causes: a too high "
+            f"step {step + 1}: {what} loss is {loss} and grad norm {grad_norm}; applying it would turn the {what} "
+            "weights into NaN, so the run stops (train.skip_nonfinite_steps is false). Usual causes: a too high "
             f"{lr_key}, bf16 overflow, or NaN rewards/advantages. Lower --{lr_key.replace('_', '-')}, use "
             "--train.dtype fp32, or set --train.skip-nonfinite-steps true to skip such steps and continue."
         )
     if not finite:
-        logger.warning("step %d: non-finite %s loss/grad norm (%s), optimizer step skipped", step, what, grad_norm)
+        logger.warning(
+            "step %d: non-finite %s loss/grad norm (%s), optimizer step skipped%s", step + 1, what, grad_norm, skip_note
+        )
     return grad_norm, finite
