@@ -68,9 +68,9 @@ def test_the_plan_holds_the_servers_real_command_lines():
 
 def test_cli_dry_run_prints_the_plan_and_starts_nothing(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "--recipe", "kimi_k2_grpo_gsm8k", "--dry-run", *MODEL]) == 0
+    assert main(["train", "--recipe", "kimi_k2_grpo_gsm8k", "--dry-run", *MODEL, "--run.name", "k2"]) == 0
     out = capsys.readouterr().out
-    assert out == (SNAPSHOTS / "kimi_k2_grpo_gsm8k.txt").read_text()
+    assert out == (SNAPSHOTS / "kimi_k2_grpo_gsm8k.txt").read_text() + "run directory: runs/k2\n"
     assert not (tmp_path / "runs").exists()  # no run directory, no lock
     assert main(["train", "--recipe", "tiny_flow_grpo_compressibility", "--dry-run"]) == 0
     assert "a diffusion run trains in this process" in capsys.readouterr().out

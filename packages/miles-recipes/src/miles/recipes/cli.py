@@ -263,8 +263,6 @@ def main(argv: list[str] | None = None) -> int:
             cfg, checkpoint = resolve_config(recipe, rest, tiny=getattr(args, "tiny", False)), None
     except ValueError as err:
         return _fail(err)
-    if getattr(args, "dry_run", False):
-        return _dry_run(cfg)
     if args.command == "config":
         from miles.recipes.overrides import documented_yaml
 
@@ -275,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     if resume is None:
         name = cfg.run.name or f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         run_dir = Path(cfg.run.dir) / name
+    if getattr(args, "dry_run", False):
+        return _dry_run(cfg, run_dir, checkpoint)
     # One writer per run directory: locked before anything in it is read to decide, deleted or written.
     try:
         lock = RunDirLock.acquire(run_dir, busy_hint=_busy_hint(resume, overwrite))
@@ -289,9 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         return _train(cfg, run_dir, checkpoint, resumed=resume is not None, overwrite=overwrite)
 
 
-def _dry_run(cfg: Any) -> int:
-    """``miles train --dry-run``: print the launch plan (``miles.recipes.plan``) of an LLM run; a diffusion run is
-    one process, said in one line."""
+def _dry_run(cfg: Any, run_dir: Path, checkpoint: Path | None) -> int:
+    """``miles train --dry-run``: print the launch plan (``miles.recipes.plan``) of an LLM run, then where it would
+    write and what it would resume from; a diffusion run is one process, said in one line. Nothing is locked,
+    created or started."""
     from miles.recipes.config import MilesConfig
     from miles.recipes.plan import launch_plan
 
@@ -299,7 +300,8 @@ def _dry_run(cfg: Any) -> int:
         where = f"in this process on device {cfg.model.device}"
         print(f"# miles train --dry-run: a {cfg.kind} run trains {where}; it starts nothing else")  # noqa: T201
         return 0
-    print(launch_plan(cfg), end="")  # noqa: T201 - CLI output
+    resume = f"; resuming from {checkpoint}" if checkpoint is not None else ""
+    print(launch_plan(cfg) + f"run directory: {run_dir}{resume}")  # noqa: T201 - CLI output
     return 0
 
 

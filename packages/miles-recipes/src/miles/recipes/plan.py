@@ -1,8 +1,9 @@
 """``miles train --dry-run``: what a config would start, printed instead of started.
 
 The plan names the Ray session and its placement groups, every engine server's command line and environment (built
-by ``miles.rollout.engines.launch.planned_servers``, the function the real launch uses, so the plan cannot drift
-from it), the router, the trainer's ranks and the weight path between them. Nothing is started, loaded or
+by ``miles.rollout.engines.launch.planned_servers``, which the launches of SGLang-API servers and of vLLM servers in
+Ray actors use too; local vLLM servers get the same ``vllm_command`` arguments from ``launch_vllm_servers``), the
+router, the trainer's ranks and the weight path between them. Nothing is started, loaded or
 downloaded, and the model path is printed as configured (a cluster's path need not exist on the machine planning).
 Ports chosen free at launch (``engine.port`` 0) are printed as ``PORT_N``; the interpreter running Miles as
 ``python``.

@@ -58,6 +58,15 @@ def _fake_quant_linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
     return F.linear(x, fake_quantize(self.weight, self._miles_qat_codec), self.bias)
 
 
+def _linear_weights(model: nn.Module) -> dict[str, nn.Linear]:
+    """Each ``nn.Linear`` of ``model`` by its weight's parameter name."""
+    return {
+        f"{name}.weight" if name else "weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    }
+
+
 def qat_targets(model: nn.Module, codec: str, *, codec_exclude: Iterable[str] = DEFAULT_CODEC_EXCLUDE) -> list[str]:
     """The names of the weights of ``model`` that ``apply_qat`` fake-quantizes (those a ``WeightSender(codec=codec)``
     would quantize); works on a model built on the meta device, so a run can check its model before loading it.
@@ -67,11 +76,7 @@ def qat_targets(model: nn.Module, codec: str, *, codec_exclude: Iterable[str] = 
     if codec not in QAT_CODECS:
         raise ValueError(f"train.qat is {codec!r}; choose one of {list(QAT_CODECS)} (or none)")
     exclude = tuple(codec_exclude)
-    linear_weights = {
-        f"{name}.weight" if name else "weight"
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-    }
+    linear_weights = _linear_weights(model)
     quantized = []
     for name, param in model.named_parameters():  # tied parameters once: the first name, as a state dict push
         if not uses_codec(name, param, codec, exclude):
@@ -116,11 +121,7 @@ def apply_qat(model: nn.Module, codec: str, *, codec_exclude: Iterable[str] = DE
         ``nn.Linear`` weight (its name in the message), or nothing would be quantized.
     """
     quantized = qat_targets(model, codec, codec_exclude=codec_exclude)
-    linear_weights = {
-        f"{name}.weight" if name else "weight": module
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-    }
+    linear_weights = _linear_weights(model)
     for name in quantized:
         module = linear_weights[name]
         module._miles_qat_codec = codec
