@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -197,7 +198,7 @@ class MultiTurnRollout:
         counted in ``metadata["num_tool_timeouts"]``). Raises: what the tool raised (see ``run_tool_call``)."""
         limit = self.config.tool_timeout_s
         try:
-            return await asyncio.wait_for(asyncio.to_thread(run_tool_call, call, self.tools), limit)
+            return await asyncio.wait_for(in_daemon_thread(run_tool_call, call, self.tools), limit)
         except TimeoutError:
             sample.metadata["num_tool_timeouts"] = sample.metadata.get("num_tool_timeouts", 0) + 1
             return f"Error: the tool {call.name!r} did not answer within {limit:g} s"
@@ -212,6 +213,38 @@ class MultiTurnRollout:
             if output.finish_reason != "abort" or resubmits == self.max_resubmits:
                 return output
             sample.metadata["resubmits"] = resubmits + 1
+
+
+async def in_daemon_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a daemon thread of its own, awaited. Unlike ``asyncio.to_thread`` (the loop's default
+    executor, which ``asyncio.run`` joins on exit), a call that never returns holds neither the round that awaited it
+    nor the interpreter's exit: after its caller's timeout it only keeps its own thread (Python cannot stop one).
+
+    Raises: what ``fn`` raises.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # a timed-out caller cancelled it
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def work() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+        except Exception as err:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (None, err)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop ended meanwhile (the call outlived its round): nobody waits for it
+            pass
+
+    threading.Thread(target=work, daemon=True, name=f"miles-tool-{getattr(fn, '__name__', 'call')}").start()
+    return await future
 
 
 def _fill(sample: Sample, trajectory: Trajectory, *, response_text: str, stop_reason: str, finish_reason: str) -> None:
