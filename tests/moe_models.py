@@ -1,6 +1,11 @@
 """Tiny random MoE causal LMs of three router families (routing replay tests): Qwen3-MoE (softmax top-k),
 DeepSeek-V3 (sigmoid, group-limited, score-correction bias, a dense first layer) and GLM-5 (``glm_moe_dsa``: DSA
-attention, the DeepSeek-V3 router). 3 decoder layers (layer 0 dense), 8 experts, top-2, 32-token vocabulary."""
+attention, the DeepSeek-V3 router). 3 decoder layers (layer 0 dense), 8 experts, top-2, 32-token vocabulary.
+
+``HYBRID_FAMILIES`` have no dense layer: Qwen3.5-MoE (``qwen3_5_moe_text``: Gated DeltaNet linear attention in
+layers 0-1, gated full attention in layer 2, the softmax router, a gated shared expert) and DeepSeek-V4
+(``deepseek_v4``: compressed attention, a hash-routed layer 0 whose experts come from a token-id table, then
+sqrt(softplus) routers)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "glm_moe_dsa")
+HYBRID_FAMILIES = ("qwen3_5_moe", "deepseek_v4")
 VOCAB = 32
 EOS = 2
 _COMMON = dict(
@@ -31,7 +37,7 @@ _MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_di
 
 def moe_config(family: str, **overrides):
     """The HF config of the tiny ``family`` model (one of ``FAMILIES``); ``overrides`` replace common fields."""
-    from transformers import DeepseekV3Config, GlmMoeDsaConfig, Qwen3MoeConfig
+    from transformers import AutoConfig, DeepseekV3Config, GlmMoeDsaConfig, Qwen3MoeConfig
 
     _COMMON = {**globals()["_COMMON"], **overrides}
     if family == "qwen3_moe":
@@ -47,6 +53,20 @@ def moe_config(family: str, **overrides):
             n_shared_experts=1, index_topk=8, index_head_dim=8, index_n_heads=2,
             mlp_layer_types=["dense", "sparse", "sparse"], first_k_dense_replace=1,
         )  # fmt: skip
+    if family == "qwen3_5_moe":
+        return AutoConfig.for_model(
+            "qwen3_5_moe_text", **_COMMON, head_dim=8, num_experts=8, shared_expert_intermediate_size=16,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+        )  # fmt: skip
+    if family == "deepseek_v4":
+        _COMMON["num_key_value_heads"] = 1  # one compressed key/value head, as DeepSeek-V4
+        return AutoConfig.for_model(
+            "deepseek_v4", **_COMMON, head_dim=16, q_lora_rank=16, qk_rope_head_dim=8, n_routed_experts=8,
+            n_shared_experts=1, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=8, index_topk=8,
+            sliding_window=8, num_nextn_predict_layers=0, mlp_layer_types=["hash_moe", "moe", "moe"],
+            layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        )  # fmt: skip
     raise ValueError(family)
 
 
@@ -58,7 +78,8 @@ def make_moe_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = moe_config(family, **overrides)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    attention = "eager" if family == "deepseek_v4" else "sdpa"  # transformers has no SDPA path for DeepSeek-V4
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -68,6 +89,8 @@ def make_moe_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.05)
+            elif name.endswith("tid2eid"):  # the hash router's table: top_k distinct experts per token id
+                buffer.copy_(torch.rand(buffer.shape[0], 8).argsort(-1)[:, : buffer.shape[1]])
     return model.eval()
 
 

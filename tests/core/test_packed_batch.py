@@ -187,3 +187,38 @@ def test_routed_experts_of_the_wrong_length_are_a_clear_error():
     samples = [_sample(0, [1], [2, 3], rollout_routed_experts=_experts(2, 0))]
     with pytest.raises(ValueError, match=r"sample 0: rollout_routed_experts has shape \(2, 2, 1\).*len\(tokens\)=3"):
         build_train_batch(samples, torch.ones(1), pad_token_id=0)
+
+
+def test_models_that_packing_would_compute_wrongly_are_refused_and_the_refusal_is_real(ragged_batch, monkeypatch):
+    import importlib.util
+
+    from miles.core.log_probs import packing_refusal
+    from moe_models import make_moe_model
+    from transformers import AutoConfig
+
+    assert packing_refusal(AutoConfig.for_model("qwen3")) is None
+    hybrid = AutoConfig.for_model("qwen3_5_text")  # Gated DeltaNet layers: fla's varlen kernels or nothing
+    assert "linear-attention (Gated DeltaNet) layers" in packing_refusal(hybrid)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "fla" else real_find_spec(name))
+    assert packing_refusal(hybrid) is None  # with flash-linear-attention installed, packing is allowed
+    monkeypatch.undo()
+    # DeepSeek-V4: the refusal is not a guess; its packed log-probs differ from the padded layout's
+    model = make_moe_model("deepseek_v4")
+    assert "DeepSeek-V4 compressed attention" in packing_refusal(model.config)
+    with pytest.raises(
+        ValueError, match="train.batch_layout 'packed': transformers' DeepSeek-V4.*--train.batch-layout padded"
+    ):
+        _log_probs(packed_model_response_log_probs, model, ragged_batch)
+    monkeypatch.setattr("miles.core.log_probs.packing_refusal", lambda config: None)
+    gen = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(3, 32, (p,), generator=gen).tolist(), torch.randint(3, 32, (r,), generator=gen).tolist())
+            for p, r in [(12, 28), (10, 30)]]  # fmt: skip
+    batch = build_train_batch([_sample(i, p, r) for i, (p, r) in enumerate(rows)], torch.ones(2), pad_token_id=0)
+    with torch.no_grad():
+        padded, _ = _log_probs(model_response_log_probs, model, batch)
+        packed, _ = _log_probs(packed_model_response_log_probs, model, batch)
+    real = batch.loss_mask
+    diff = (packed - padded).abs() * real
+    assert diff[0].max() < ATOL  # the first sequence has nothing packed before it
+    assert diff[1].max() > 1e-4  # the second sees the first: 5e-4 measured here, 2e-2 at 4 layers; fp32 noise ~1e-6

@@ -1,6 +1,7 @@
 """Routing replay (R3) hooks on tiny Qwen3-MoE, DeepSeek-V3 and GLM-5 models: recording keeps what each router
 returned, replaying its own routing changes nothing (bit for bit, gradients too), replaying a recorded routing
-makes the routers choose it after the weights moved, and gradients still reach the routers."""
+makes the routers choose it after the weights moved, and gradients still reach the routers. The same for
+Qwen3.5-MoE and DeepSeek-V4 (hash-routed layer, sqrt(softplus) routers), whose layers are all MoE."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ from miles.core.routing_replay import (
     replayed_weights,
     routing_layout,
 )
-from moe_models import FAMILIES, VOCAB, make_moe_model
+from moe_models import FAMILIES, HYBRID_FAMILIES, VOCAB, make_moe_model
+
+ALL_FAMILIES = FAMILIES + HYBRID_FAMILIES
 
 TOKENS = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))  # [B=2, L=10]
 
@@ -46,7 +49,20 @@ def test_layout_finds_the_moe_layers_and_recording_marks_dense_rows(family):
     assert (routed[:, 1:, 0] != routed[:, 1:, 1]).all()  # two distinct experts per token
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_layout_of_models_whose_every_layer_is_moe(family):
+    model = make_moe_model(family)
+    layout = routing_layout(model)
+    assert layout.shape == (3, 2) and sorted(layout.routers) == [0, 1, 2]
+    _, routed = _record(model)
+    assert routed.shape == (20, 3, 2) and ((routed >= 0) & (routed < 8)).all()
+    assert (routed[..., 0] != routed[..., 1]).all()
+    if family == "deepseek_v4":  # layer 0 routes by token id: the table's experts, whatever the hidden state
+        table = layout.routers[0].tid2eid
+        assert torch.equal(routed[:, 0], table[TOKENS.reshape(-1)].to(torch.int32))
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_recorded_indices_are_what_the_router_returned(family):
     model = make_moe_model(family)
     router = routing_layout(model).routers[1]
@@ -61,7 +77,7 @@ def test_recorded_indices_are_what_the_router_returned(family):
     assert torch.equal(replayed_weights(router, logits, indices).to(weights.dtype), weights)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_replaying_a_models_own_routing_changes_nothing_bit_for_bit(family):
     model = make_moe_model(family)
     logits, routed = _record(model)
@@ -80,7 +96,7 @@ def test_replaying_a_models_own_routing_changes_nothing_bit_for_bit(family):
         assert torch.equal(grads[0][name], grads[1][name]), name
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_after_a_weight_change_replay_routes_to_the_recorded_experts_and_tracks_the_old_logits(family):
     tokens = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1))
     model = make_moe_model(family)
@@ -102,7 +118,7 @@ def test_after_a_weight_change_replay_routes_to_the_recorded_experts_and_tracks_
     assert drift(replayed_logits) < drift(live_logits)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_replay_sends_gradients_to_the_router_through_the_live_logits(family):
     model = make_moe_model(family)
     _, routed = _record(model)

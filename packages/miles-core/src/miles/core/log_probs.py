@@ -23,6 +23,29 @@ from torch import Tensor
 _PACKED_MASK_ATTENTION = ("eager", "sdpa", "flex_attention", "miles_varlen_sdpa", "miles_block_diagonal_mask")
 
 
+def packing_refusal(config) -> str | None:
+    """Why an HF model of ``config`` cannot run on the packed layout (one row of several sequences), or None.
+
+    Position ids keep packed sequences apart in attention layers only. Refused: Gated DeltaNet linear attention
+    (Qwen3.5, Qwen3-Next: ``layer_types`` holding "linear_attention") without flash-linear-attention, whose
+    varlen kernels are the only ones that restart the recurrent state per sequence (transformers' reference
+    implementation raises mid-forward); DeepSeek-V4, whose compressed attention in transformers mixes
+    sequences of one row (measured on a tiny model: log-probs 2e-2..5e-2 nats off the padded layout's).
+    """
+    config = getattr(config, "text_config", None) or config
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        import importlib.util
+
+        if importlib.util.find_spec("fla") is None:
+            return (
+                f"{config.model_type}'s linear-attention (Gated DeltaNet) layers keep packed sequences apart only "
+                "with flash-linear-attention, which is not installed"
+            )
+    if config.model_type == "deepseek_v4":
+        return "transformers' DeepSeek-V4 compressed attention does not keep packed sequences apart"
+    return None
+
+
 def _scaled_token_log_probs(
     logits: Tensor, targets: Tensor, *, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
@@ -153,9 +176,12 @@ def packed_model_response_log_probs(
         exactly 0 past them (the padded path leaves unspecified values there; mask them either way). Carry grad.
         multimodal: per row, its image inputs or None (Qwen-VL models: each row's multimodal RoPE positions are
             computed on the row alone and packed behind restarting text positions, ``packed_position_ids``).
-    Raises: ValueError for another attention implementation (it would attend across sequences), left padding, or
-        what ``multimodal_forward_kwargs`` / ``packed_position_ids`` raise.
+    Raises: ValueError for another attention implementation (it would attend across sequences), a model
+        ``packing_refusal`` names, left padding, or what ``multimodal_forward_kwargs`` / ``packed_position_ids``
+        raise.
     """
+    if (refusal := packing_refusal(model.config)) is not None:
+        raise ValueError(f"train.batch_layout 'packed': {refusal}; set --train.batch-layout padded")
     attn_impl = model.config._attn_implementation
     if attn_impl not in _PACKED_MASK_ATTENTION and "flash" not in attn_impl:
         raise ValueError(

@@ -9,7 +9,8 @@ from the trainer's live router logits, so the router still gets gradients.
 
 Both sides hook the router module of each MoE layer (``model.layers.<i>.mlp.gate`` in transformers, which returns
 ``(router_logits, top_k_weights, top_k_indices)``): recording keeps the indices the router returned (for
-DeepSeek-V3 / GLM families, the group-limited choice with the score-correction bias, not a top-k of the logits);
+DeepSeek-V3 / GLM families, the group-limited choice with the score-correction bias, not a top-k of the logits;
+for DeepSeek-V4's hash-routed layers, the token-id table's experts);
 replaying swaps them for the recorded ones and recomputes the weights the way that router family does. Routing is
 ``[tokens, num_layers, top_k]`` int32 with every decoder layer (SGLang's layout): rows of dense layers, and
 positions nothing recorded (a sequence's last token, environment tokens), are -1, where the live router decides.
@@ -30,7 +31,8 @@ NOT_RECORDED = -1  # an expert id meaning "no recorded routing here": the live r
 
 # Router classes whose forward Miles mirrors, and how each turns logits into the weights of chosen experts:
 # "softmax": softmax over all experts, gather, renormalize when ``norm_topk_prob`` (or always);
-# "sigmoid": sigmoid scores, gather, renormalize (+1e-20) when ``norm_topk_prob``, times ``routed_scaling_factor``.
+# "sigmoid": sigmoid scores, gather, renormalize (+1e-20) when ``norm_topk_prob``, times ``routed_scaling_factor``;
+# "score_fn": the router's own ``score_fn`` (DeepSeek-V4: sqrt(softplus)), then as "sigmoid".
 _ROUTER_FAMILIES: dict[str, tuple[str, bool | None]] = {
     # class name: (family, renormalize: True always, None = read module.norm_topk_prob)
     "Qwen2MoeTopKRouter": ("softmax", None),
@@ -41,6 +43,8 @@ _ROUTER_FAMILIES: dict[str, tuple[str, bool | None]] = {
     "DeepseekV3TopkRouter": ("sigmoid", None),
     "Glm4MoeTopkRouter": ("sigmoid", None),
     "GlmMoeDsaTopkRouter": ("sigmoid", None),
+    "DeepseekV4TopKRouter": ("score_fn", True),
+    "DeepseekV4HashRouter": ("score_fn", True),  # experts from a fixed token-id table: replay re-picks the same
 }
 _GATE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 
@@ -100,7 +104,8 @@ def replayed_weights(router: torch.nn.Module, logits: Tensor, indices: Tensor) -
     if family == "softmax":
         weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, indices)
         return weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights
-    weights = logits.float().sigmoid().gather(1, indices)
+    scores = router.score_fn(logits.float()) if family == "score_fn" else logits.float().sigmoid()
+    weights = scores.gather(1, indices)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * router.routed_scaling_factor

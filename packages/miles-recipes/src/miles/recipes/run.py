@@ -745,6 +745,7 @@ def run(
             _check_megatron_models(cfg, model_path)
         _check_vision_model(cfg, model_path)
         _check_qat_model(cfg, model_path)
+        _check_packed_layout(cfg, model_path)
         t0 = time.perf_counter()
         tokenizer = load_tokenizer(model_path)  # a VisionProcessor for a vision-language policy
         ray_mode = cfg.execution.mode == "ray"
@@ -1014,6 +1015,26 @@ def _check_qat_model(cfg: MilesConfig, model_path: Path) -> None:
         check_qat_model(AutoConfig.from_pretrained(model_path), cfg.train.qat)
     except ValueError as err:
         raise RunSetupError(f"models.policy.path ({model_path}): {err}") from None
+
+
+def _check_packed_layout(cfg: MilesConfig, model_path: Path) -> None:
+    """Refuse, in one line and before any model loads, ``train.batch_layout packed`` on the FSDP2 backend with a
+    policy, reference, teacher or critic whose architecture packing would compute wrongly
+    (``miles.core.log_probs.packing_refusal``), from config.json files alone."""
+    if cfg.train.batch_layout != "packed" or cfg.train.backend != "fsdp2":
+        return
+    from miles.core.log_probs import packing_refusal
+    from transformers import AutoConfig
+
+    paths = {"models.policy.path": model_path}
+    for key, value in algorithm_models(cfg, model_path).items():
+        if key.endswith("_path"):
+            paths[f"models.{key.removesuffix('_path')}.path"] = value
+    for key, path in paths.items():
+        if (refusal := packing_refusal(AutoConfig.from_pretrained(path))) is not None:
+            raise RunSetupError(
+                f"{key} ({path}): train.batch_layout packed: {refusal}; set --train.batch-layout padded"
+            )
 
 
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
