@@ -12,6 +12,11 @@ import pytest
 from miles.recipes.cli import main, resolve_config
 from miles.recipes.run import RunSetupError, build_inputs
 
+# the registered models as the message lists them, written once here (adding a model edits this line)
+REGISTERED = (
+    "smollm2-135m-instruct, smollm2-vl, tiny-deepseek-v3, tiny-deepseek-v4, tiny-glm-5, tiny-qwen3, tiny-qwen3-moe, "
+    "tiny-qwen3-vl, tiny-qwen3.5, tiny-qwen3.5-moe"
+)
 GOOD = json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"})
 
 WRONG_SIGNATURE = """
@@ -69,17 +74,15 @@ CASES = [
     pytest.param(
         GOOD + "\n" + GOOD,
         ["--models.policy.path", "/no/such/model"],
-        "models.policy.path is '/no/such/model': not a registered model (smollm2-135m-instruct, smollm2-vl, "
-        "tiny-deepseek-v3, tiny-glm-5, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3-vl) and not a directory with "
+        f"models.policy.path is '/no/such/model': not a registered model ({REGISTERED}) and not a directory with "
         "config.json. Pass --models.policy.path smollm2-135m-instruct or a local HF model directory.",
         id="missing_model_path",
     ),
     pytest.param(
         GOOD + "\n" + GOOD,
         ["--models.policy.path", "Qwen/Qwen3-30B-A3B"],
-        "models.policy.path is 'Qwen/Qwen3-30B-A3B': not a registered model (smollm2-135m-instruct, smollm2-vl, "
-        "tiny-deepseek-v3, tiny-glm-5, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3-vl) and not a directory with "
-        "config.json. Miles does not download models: fetch Qwen/Qwen3-30B-A3B (e.g. `huggingface-cli download "
+        f"models.policy.path is 'Qwen/Qwen3-30B-A3B': not a registered model ({REGISTERED}) and not a directory "
+        "with config.json. Miles does not download models: fetch Qwen/Qwen3-30B-A3B (e.g. `huggingface-cli download "
         "Qwen/Qwen3-30B-A3B --local-dir DIR`) and pass --models.policy.path DIR; on a CPU, a recipe with a tiny twin "
         "runs with --tiny.",
         id="hub_id_model_path",

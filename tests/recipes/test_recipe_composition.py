@@ -18,6 +18,8 @@ NESTED_ONLY = {
     "qwen3_30b_a3b_grpo_gsm8k",  # the frontier recipes, composed from bases/ (tests/recipes/test_tiny_twins.py)
     "kimi_k2_grpo_gsm8k",
     "glm_5_grpo_gsm8k",
+    "glm_5_1_grpo_gsm8k",
+    "deepseek_v4_flash_grpo_gsm8k",
     "tiny_qwen3_vl_grpo_visual",  # vision-language RL (tests/recipes/test_vlm_run.py)
     "tiny_flow_grpo_compressibility",  # diffusion (tests/recipes/test_diffusion_run.py)
     "tiny_flow_nft_compressibility",

@@ -15,33 +15,49 @@ FRONTIER = {
     "qwen3_30b_a3b_grpo_gsm8k": ("Qwen/Qwen3-30B-A3B", "tiny-qwen3-moe", "fsdp2"),
     "kimi_k2_grpo_gsm8k": ("moonshotai/Kimi-K2-Instruct", "tiny-deepseek-v3", "megatron"),
     "glm_5_grpo_gsm8k": ("zai-org/GLM-5", "tiny-glm-5", "fsdp2"),
+    "glm_5_1_grpo_gsm8k": ("zai-org/GLM-5.1", "tiny-glm-5", "fsdp2"),  # GLM-5's architecture: GLM-5's twin
+    "deepseek_v4_flash_grpo_gsm8k": ("deepseek-ai/DeepSeek-V4-Flash", "tiny-deepseek-v4", "fsdp2"),
 }
-MODEL_TYPES = {"qwen3": "qwen3", "qwen3-moe": "qwen3_moe", "deepseek-v3": "deepseek_v3", "glm-5": "glm_moe_dsa"}
+SAME_TWIN = {"glm_5_1_grpo_gsm8k"}  # its twin's loop runs for glm_5_grpo_gsm8k already
+MODEL_TYPES = {"qwen3": "qwen3", "qwen3-moe": "qwen3_moe", "deepseek-v3": "deepseek_v3", "glm-5": "glm_moe_dsa",
+               "qwen3.5": "qwen3_5", "qwen3.5-moe": "qwen3_5_moe", "deepseek-v4": "deepseek_v4"}  # fmt: skip
+VISION_TWINS = {"qwen3.5", "qwen3.5-moe"}  # as the released checkpoints: a vision tower over the language model
+DENSE_TWINS = {"qwen3", "qwen3.5"}
 
 
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"qwen3-vl"}))  # the VLM twin: tests/recipes/test_vlm_run.py
 def test_each_twin_has_its_familys_architecture_at_toy_size_and_is_built_once(family, tmp_path):
+    from miles.core.multimodal import auto_model_class
     from miles.recipes.models.smollm2 import ensure_smollm2
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     path = ensure_tiny(family, tmp_path)
     assert ensure_tiny(family, tmp_path) == path  # cached: the second call builds nothing
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary directory left behind
     config = AutoConfig.from_pretrained(path)
     assert config.model_type == MODEL_TYPES[family]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    assert sum(p.numel() for p in model.parameters()) < 2_000_000  # 1.60-1.62 M, nearly all the tied embedding
+    assert (getattr(config, "vision_config", None) is not None) == (family in VISION_TWINS)
+    model = auto_model_class(config).from_pretrained(path, dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000  # 1.60-1.79 M, nearly all the tied embedding
     smollm2 = AutoTokenizer.from_pretrained(ensure_smollm2())
     tokenizer = AutoTokenizer.from_pretrained(path)
-    assert tokenizer.get_vocab() == smollm2.get_vocab() and config.vocab_size == len(smollm2)
-    assert (config.eos_token_id, config.pad_token_id) == (smollm2.eos_token_id, smollm2.pad_token_id)
-    if family != "qwen3":  # routers drawn with std 1, so tokens of one prompt go to different experts
+    text = getattr(config, "text_config", config)
+    extra = 4 if family in VISION_TWINS else 0  # the vision tokens (<|vision_start|>, <|image_pad|>, ...)
+    assert len(tokenizer) == len(smollm2) + extra and text.vocab_size == len(tokenizer)
+    assert all(tokenizer.convert_tokens_to_ids(t) == i for t, i in smollm2.get_vocab().items())
+    assert (text.eos_token_id, text.pad_token_id) == (smollm2.eos_token_id, smollm2.pad_token_id)
+    if family == "deepseek-v4":  # the hash router's table: distinct experts per token id, every expert in use
+        table = model.model.layers[0].mlp.gate.tid2eid
+        assert (table[:, 0] != table[:, 1]).all() and table.unique().tolist() == list(range(8))
+    if family not in DENSE_TWINS:  # routers drawn with std 1, so tokens of one prompt go to different experts
         router = next(p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
         assert 0.8 < float(router.detach().std()) < 1.2
 
 
 def test_an_unknown_family_is_refused_naming_the_families(tmp_path):
-    with pytest.raises(ValueError, match=r"no tiny twin of family 'llama4'; families: \['deepseek-v3', 'glm-5'"):
+    with pytest.raises(
+        ValueError, match=r"no tiny twin of family 'llama4'; families: \['deepseek-v3', 'deepseek-v4', 'glm-5'"
+    ):
         ensure_tiny("llama4", tmp_path)
 
 
@@ -101,6 +117,28 @@ def test_tiny_needs_a_tiny_section_and_a_new_run(capsys):
     assert "--tiny starts a new run" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (  # the recipe says padded; packed on this twin is refused before anything loads
+            ["--train.batch-layout", "packed"],
+            "train.batch_layout packed: transformers' DeepSeek-V4 compressed attention does not keep packed "
+            "sequences apart; set --train.batch-layout padded",
+        ),
+        (  # a dense model has nothing to record (was a traceback from the engine)
+            ["--models.policy.path", "tiny-qwen3"],
+            "engine.routed_experts is true but models.policy.path (",
+        ),
+    ],
+)
+def test_what_a_twin_cannot_run_is_refused_in_one_line_before_any_model_loads(override, message, tmp_path, capsys):
+    args = ["train", "--recipe", "deepseek_v4_flash_grpo_gsm8k", "--tiny", "--run.dir", str(tmp_path), *override]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # no run directory: refused before the run started
+
+
 def test_recipes_show_prints_the_composition_and_the_merged_recipe(capsys):
     assert main(["recipes", "show", "kimi_k2_grpo_gsm8k", "--tiny"]) == 0
     out = capsys.readouterr().out
@@ -113,7 +151,11 @@ def test_recipes_show_prints_the_composition_and_the_merged_recipe(capsys):
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[] if n == "kimi_k2_grpo_gsm8k" else [pytest.mark.slow]) for n in sorted(FRONTIER)]
+    "name",
+    [
+        pytest.param(n, marks=[] if n == "kimi_k2_grpo_gsm8k" else [pytest.mark.slow])
+        for n in sorted(set(FRONTIER) - SAME_TWIN)
+    ],
 )
 def test_each_tiny_twin_runs_its_recipes_loop_with_routing_replay(name, tmp_path, monkeypatch):
     """2 GRPO steps of the recipe on its twin (Kimi K2's on Megatron: MLA, the sigmoid router, R3), with a

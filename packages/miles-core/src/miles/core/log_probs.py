@@ -41,7 +41,7 @@ def packing_refusal(config) -> str | None:
                 f"{config.model_type}'s linear-attention (Gated DeltaNet) layers keep packed sequences apart only "
                 "with flash-linear-attention, which is not installed"
             )
-    if config.model_type == "deepseek_v4":
+    if getattr(config, "model_type", None) == "deepseek_v4":  # (Megatron passes a bare namespace)
         return "transformers' DeepSeek-V4 compressed attention does not keep packed sequences apart"
     return None
 

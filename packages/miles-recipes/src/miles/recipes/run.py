@@ -746,6 +746,7 @@ def run(
         _check_vision_model(cfg, model_path)
         _check_qat_model(cfg, model_path)
         _check_packed_layout(cfg, model_path)
+        _check_routing_model(cfg, model_path)
         t0 = time.perf_counter()
         tokenizer = load_tokenizer(model_path)  # a VisionProcessor for a vision-language policy
         ray_mode = cfg.execution.mode == "ray"
@@ -1015,6 +1016,33 @@ def _check_qat_model(cfg: MilesConfig, model_path: Path) -> None:
         check_qat_model(AutoConfig.from_pretrained(model_path), cfg.train.qat)
     except ValueError as err:
         raise RunSetupError(f"models.policy.path ({model_path}): {err}") from None
+
+
+def _check_routing_model(cfg: MilesConfig, model_path: Path) -> None:
+    """Refuse, in one line and before any model loads, ``engine.routed_experts`` for a policy with no MoE router
+    (nothing to record) or, on FSDP2, a router class Miles cannot replay: ``routing_layout`` of the model built on
+    the meta device from config.json (no weights read)."""
+    if not getattr(cfg.engine, "routed_experts", False):  # vLLM engines have no such field
+        return
+    import torch
+    from miles.core.multimodal import auto_model_class
+    from miles.core.routing_replay import routing_layout
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(config)
+    try:
+        layout = routing_layout(model)
+    except ValueError as err:
+        if cfg.train.backend != "fsdp2":  # Megatron replays its own routers
+            return
+        raise RunSetupError(f"models.policy.path ({model_path}): {err}") from None
+    if layout is None:
+        raise RunSetupError(
+            f"engine.routed_experts is true but models.policy.path ({model_path}) has no MoE router to record; "
+            "drop --engine.routed-experts for a dense model"
+        )
 
 
 def _check_packed_layout(cfg: MilesConfig, model_path: Path) -> None:

@@ -2,10 +2,12 @@
 
 A twin has its family's HF architecture (``model_type``, attention and MoE layout: Qwen3's q/k norms, Qwen3-MoE's
 softmax router, DeepSeek-V3 / Kimi K2's multi-head latent attention and sigmoid group-limited router with shared
-experts, GLM-5's DSA attention) at toy sizes: 3 decoder layers of width 32, 8 experts of which 2 per token, layer 0
-dense. Its tokenizer and chat template are SmolLM2-135M-Instruct's (shipped offline with Miles; the families' own
-tokenizers are not), so the vocabulary (49,152) dominates its ~1.6 M parameters (tied embeddings). Weights are
-drawn from a fixed seed, routers with std 1 (HF initializes them near zero, where every token's experts would tie).
+experts, GLM-5's DSA attention, Qwen3.5's hybrid Gated DeltaNet + gated attention, DeepSeek-V4's compressed
+attention and hash-routed first layer) at toy sizes: 3 decoder layers of width 32, 8 experts of which 2 per token,
+layer 0 dense where the family has dense layers. Its tokenizer and chat template are SmolLM2-135M-Instruct's
+(shipped offline with Miles; the families' own tokenizers are not), so the vocabulary (49,152) dominates its
+~1.6-1.8 M parameters (tied embeddings). Weights are drawn from a fixed seed, routers with std 1 (HF initializes
+them near zero, where every token's experts would tie).
 A twin learns nothing useful; it shows the recipe's loop, conversions and routing replay run for that architecture.
 
 The vision-language twin (``qwen3-vl``, transformers' ``qwen3_vl``) adds a 2-block vision tower (16 px patches, 2 x 2
@@ -41,6 +43,15 @@ _MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
 _MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
             v_head_dim=8)  # fmt: skip
 _DEEPSEEK_ROUTER = dict(n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1)
+# Qwen3.5's hybrid layout at 3 layers: Gated DeltaNet linear attention, then gated full attention (3:1 in the models)
+_QWEN3_5 = dict(num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+                linear_num_key_heads=2, linear_num_value_heads=4,
+                layer_types=["linear_attention", "linear_attention", "full_attention"],
+                rope_parameters=dict(rope_type="default", partial_rotary_factor=0.25, mrope_section=[1, 1, 0],
+                                     mrope_interleaved=True))  # fmt: skip
+# Vision-language twins: the released checkpoints of these families hold a vision tower (Qwen3.5 and Qwen3.6 are
+# natively multimodal), so their twins do too; text recipes train them on text prompts.
+VISION_MODEL_TYPES = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ _VISION = dict(
     num_position_embeddings=64,
     deepstack_visual_indexes=[1],
 )
+_QWEN3_5_VISION = {k: v for k, v in _VISION.items() if k != "deepstack_visual_indexes"}  # no DeepStack in Qwen3.5
 IMAGE_PROCESSOR = dict(patch_size=16, merge_size=2, temporal_patch_size=2,
                         size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})  # fmt: skip
 # ChatML as SmolLM2's, with Qwen-VL's rendering of image parts (no default system prompt, as Qwen's).
@@ -114,7 +126,39 @@ FAMILIES: dict[str, TinyFamily] = {
             index_n_heads=2,
             mlp_layer_types=["dense", "sparse", "sparse"],
         ),  # fmt: skip
-        "GLM-5 (glm_moe_dsa: DSA attention, the DeepSeek-V3 router)",
+        "GLM-5 / GLM-5.1 (glm_moe_dsa: DSA attention, the DeepSeek-V3 router)",
+    ),
+    "qwen3.5": TinyFamily(
+        "qwen3_5",
+        dict(_QWEN3_5),
+        "Qwen3.5 / Qwen3.6 dense (Qwen/Qwen3.5-27B, Qwen/Qwen3.6-27B; qwen3_5: a vision tower over qwen3_5_text)",
+    ),
+    "qwen3.5-moe": TinyFamily(
+        "qwen3_5_moe",
+        dict(**_QWEN3_5, **_MOE, num_experts=8, shared_expert_intermediate_size=16),
+        "Qwen3.5 / Qwen3.6 MoE (Qwen/Qwen3.5-35B-A3B ... 397B-A17B, Qwen/Qwen3.6-35B-A3B; qwen3_5_moe)",
+    ),
+    "deepseek-v4": TinyFamily(
+        "deepseek_v4",
+        dict(
+            **_MOE,
+            num_key_value_heads=1,
+            head_dim=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            o_groups=2,
+            o_lora_rank=16,
+            index_n_heads=2,
+            index_head_dim=8,
+            index_topk=8,
+            sliding_window=8,
+            num_nextn_predict_layers=0,  # no multi-token-prediction layer (transformers does not run it)
+            mlp_layer_types=["hash_moe", "moe", "moe"],
+            layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        ),
+        "DeepSeek-V4 (deepseek_v4: compressed sparse attention, hash-routed first layers, sqrt(softplus) router)",
     ),
 }
 
@@ -134,14 +178,14 @@ def tiny_config(family: str, tokenizer: Any) -> Any:
     if family not in FAMILIES:
         raise ValueError(f"no tiny twin of family {family!r}; families: {sorted(FAMILIES)}")
     spec = FAMILIES[family]
-    if spec.model_type == "qwen3_vl":
+    if spec.model_type in VISION_MODEL_TYPES:
         ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
         text = dict(**_COMMON, **spec.config, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
         return AutoConfig.for_model(
             spec.model_type,
             text_config=text,
-            vision_config=_VISION,
+            vision_config=_VISION if spec.model_type == "qwen3_vl" else _QWEN3_5_VISION,
             image_token_id=ids["<|image_pad|>"],
             video_token_id=ids["<|video_pad|>"],
             vision_start_token_id=ids["<|vision_start|>"],
@@ -167,7 +211,7 @@ def build_tiny(family: str, path: Path) -> Path:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
-    vision = FAMILIES[family].model_type == "qwen3_vl"
+    vision = FAMILIES[family].model_type in VISION_MODEL_TYPES
     if vision:
         tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
         tokenizer.chat_template = VLM_CHAT_TEMPLATE
@@ -178,6 +222,10 @@ def build_tiny(family: str, path: Path) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):  # routers: far enough from 0 that tokens pick distinct experts
                 param.normal_(0.0, 1.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash routing table: top_k distinct experts per token id
+                experts = torch.rand(buffer.shape[0], config.n_routed_experts).argsort(-1)
+                buffer.copy_(experts[:, : buffer.shape[1]])
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     if vision:
