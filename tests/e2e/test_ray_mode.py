@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 from miles.core.execution import ray_session
 from miles.rollout.engines.server import port_in_use
 
@@ -558,4 +559,40 @@ def test_megatron_with_tensor_parallel_2_on_ray_trains_and_the_servers_follow_it
     assert "Ray placement: 2 Megatron trainer ranks on bundles 0-1" in log, log[-3000:]
     shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_2" / "optimizer").iterdir())
     assert shards == ["tp0_ep0.pt", "tp1_ep0.pt"]
+    _assert_ports_free(_server_urls(run_dir))
+
+
+def test_a_vision_language_checkpoint_trains_on_text_with_two_ranks_and_servers_and_its_tower_stays_frozen(
+    cluster, workdir
+):
+    """The Qwen3.5 / Qwen3.6 recipes' path: a vision-language checkpoint (the tiny qwen3_5_moe twin: a vision tower
+    over the hybrid Gated DeltaNet MoE language model) trained on text prompts by 2 FSDP2 ranks (the tower frozen and
+    sharded with the rest) on `miles serve` servers (SGLang's API; not SGLang) with R3: after each push the engines'
+    log-probs equal the trainer's, the language model moved and the tower came out bit-equal."""
+    from miles.core.multimodal import auto_model_class
+    from miles.recipes.models.tiny import ensure_tiny
+    from transformers import AutoConfig
+
+    _, address = cluster
+    run_dir = workdir / "vlm_text"
+    args = [
+        "--recipe", "qwen3_5_35b_a3b_grpo_gsm8k", "--tiny", *RAY_MODE, "--execution.ray.address", address,
+        "--reward.type", "custom", "--reward.path", "ray_reward:odd_first_token",
+        "--rollout.rollout-batch-size", "2", "--rollout.n-samples-per-prompt", "4", "--eval.num-prompts", "0",
+        "--run.dir", str(workdir), "--run.name", "vlm_text", "--run.progress", "false", "--run.num-threads", "1",
+    ]  # fmt: skip
+    rc, stderr = Run(args, workdir).finish(min_children=1)
+    assert rc == 0, stderr[-4000:]
+    rows = [r for r in _metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["samples/failed"] == 0 for r in rows), rows
+    assert all(r["grad_norm"] > 0 and r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows
+    log = (run_dir / "train.log").read_text()
+    assert "is a vision-language model, trained on text prompts only (engine sglang)" in log
+    models = [ensure_tiny("qwen3.5-moe"), run_dir / "checkpoints" / "step_2" / "model"]
+    config = AutoConfig.from_pretrained(models[0])
+    start, end = (dict(auto_model_class(config).from_pretrained(path).named_parameters()) for path in models)
+    assert start.keys() == end.keys()
+    tower = [name for name in start if ".visual." in name]
+    assert len(tower) > 10 and all(torch.equal(start[name], end[name]) for name in tower)
+    assert any(not torch.equal(start[n], end[n]) for n in start if ".language_model.layers." in n)
     _assert_ports_free(_server_urls(run_dir))

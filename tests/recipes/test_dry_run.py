@@ -20,6 +20,8 @@ CASES = {
     "glm_5_grpo_gsm8k": ("glm_5_grpo_gsm8k", MODEL),
     "glm_5_1_grpo_gsm8k": ("glm_5_1_grpo_gsm8k", MODEL),
     "deepseek_v4_flash_grpo_gsm8k": ("deepseek_v4_flash_grpo_gsm8k", MODEL),
+    "qwen3_5_35b_a3b_grpo_gsm8k": ("qwen3_5_35b_a3b_grpo_gsm8k", MODEL),
+    "qwen3_5_27b_grpo_gsm8k": ("qwen3_5_27b_grpo_gsm8k", MODEL),
     "default_embedded": ("smollm2_grpo_arithmetic", []),
     "vllm_two_servers_delta": (
         "smollm2_grpo_arithmetic",

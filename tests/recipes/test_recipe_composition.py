@@ -20,6 +20,9 @@ NESTED_ONLY = {
     "glm_5_grpo_gsm8k",
     "glm_5_1_grpo_gsm8k",
     "deepseek_v4_flash_grpo_gsm8k",
+    "qwen3_5_35b_a3b_grpo_gsm8k",
+    "qwen3_6_35b_a3b_grpo_gsm8k",
+    "qwen3_5_27b_grpo_gsm8k",
     "tiny_qwen3_vl_grpo_visual",  # vision-language RL (tests/recipes/test_vlm_run.py)
     "tiny_flow_grpo_compressibility",  # diffusion (tests/recipes/test_diffusion_run.py)
     "tiny_flow_nft_compressibility",

@@ -11,14 +11,20 @@ from miles.recipes.models.tiny import FAMILIES, ensure_tiny
 from miles.recipes.registry import load_recipe, merge_recipe, recipe_bases, tiny_recipe_names
 from tiny_runs import TINY_RUN_PATH
 
-FRONTIER = {
-    "qwen3_30b_a3b_grpo_gsm8k": ("Qwen/Qwen3-30B-A3B", "tiny-qwen3-moe", "fsdp2"),
-    "kimi_k2_grpo_gsm8k": ("moonshotai/Kimi-K2-Instruct", "tiny-deepseek-v3", "megatron"),
-    "glm_5_grpo_gsm8k": ("zai-org/GLM-5", "tiny-glm-5", "fsdp2"),
-    "glm_5_1_grpo_gsm8k": ("zai-org/GLM-5.1", "tiny-glm-5", "fsdp2"),  # GLM-5's architecture: GLM-5's twin
-    "deepseek_v4_flash_grpo_gsm8k": ("deepseek-ai/DeepSeek-V4-Flash", "tiny-deepseek-v4", "fsdp2"),
-}
-SAME_TWIN = {"glm_5_1_grpo_gsm8k"}  # its twin's loop runs for glm_5_grpo_gsm8k already
+FRONTIER = {  # recipe: (GPU model, twin, the twin's backend, model base, batch layout)
+    "qwen3_30b_a3b_grpo_gsm8k": ("Qwen/Qwen3-30B-A3B", "tiny-qwen3-moe", "fsdp2", "qwen3_moe", "packed"),
+    "kimi_k2_grpo_gsm8k": ("moonshotai/Kimi-K2-Instruct", "tiny-deepseek-v3", "megatron", "kimi_k2", "packed"),
+    "glm_5_grpo_gsm8k": ("zai-org/GLM-5", "tiny-glm-5", "fsdp2", "glm_5", "packed"),
+    "glm_5_1_grpo_gsm8k": ("zai-org/GLM-5.1", "tiny-glm-5", "fsdp2", "glm_5_1", "packed"),  # GLM-5's architecture
+    "deepseek_v4_flash_grpo_gsm8k": (
+        "deepseek-ai/DeepSeek-V4-Flash", "tiny-deepseek-v4", "fsdp2", "deepseek_v4_flash", "padded",
+    ),
+    "qwen3_5_35b_a3b_grpo_gsm8k": ("Qwen/Qwen3.5-35B-A3B", "tiny-qwen3.5-moe", "fsdp2", "qwen3_5_moe", "padded"),
+    "qwen3_6_35b_a3b_grpo_gsm8k": ("Qwen/Qwen3.6-35B-A3B", "tiny-qwen3.5-moe", "fsdp2", "qwen3_6_moe", "padded"),
+    "qwen3_5_27b_grpo_gsm8k": ("Qwen/Qwen3.5-27B", "tiny-qwen3.5", "fsdp2", "qwen3_5", "padded"),
+}  # fmt: skip
+SAME_TWIN = {"glm_5_1_grpo_gsm8k", "qwen3_6_35b_a3b_grpo_gsm8k"}  # their twins' loops run for another recipe
+DENSE = {"qwen3_5_27b_grpo_gsm8k"}  # no routing replay
 MODEL_TYPES = {"qwen3": "qwen3", "qwen3-moe": "qwen3_moe", "deepseek-v3": "deepseek_v3", "glm-5": "glm_moe_dsa",
                "qwen3.5": "qwen3_5", "qwen3.5-moe": "qwen3_5_moe", "deepseek-v4": "deepseek_v4"}  # fmt: skip
 VISION_TWINS = {"qwen3.5", "qwen3.5-moe"}  # as the released checkpoints: a vision tower over the language model
@@ -95,15 +101,17 @@ def test_a_base_cycle_through_a_list_is_named(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(FRONTIER))
 def test_frontier_recipes_validate_for_gpus_and_as_tiny_twins(name):
-    path, twin, backend = FRONTIER[name]
-    assert recipe_bases(name) == [f"bases/model/{name.split('_grpo')[0].replace('qwen3_30b_a3b', 'qwen3_moe')}",
-                                  "bases/algo/grpo", "bases/task/gsm8k"]  # fmt: skip
+    path, twin, backend, base, layout = FRONTIER[name]
+    assert recipe_bases(name) == [f"bases/model/{base}", "bases/algo/grpo", "bases/task/gsm8k"]
+    routed = name not in DENSE
     gpu = resolve_config(name, [])
-    assert (gpu.models.policy.path, gpu.engine.type, gpu.engine.routed_experts) == (path, "sglang", True)
+    assert (gpu.models.policy.path, gpu.engine.type, gpu.engine.routed_experts) == (path, "sglang", routed)
     assert (gpu.train.dtype, gpu.execution.mode, gpu.data.source, gpu.reward.type) == ("bf16", "ray", "file", "math")
     tiny = resolve_config(name, [], tiny=True)
-    assert (tiny.models.policy.path, tiny.engine.type, tiny.engine.routed_experts) == (twin, "embedded", True)
+    assert (tiny.models.policy.path, tiny.engine.type, tiny.engine.routed_experts) == (twin, "embedded", routed)
     assert (tiny.train.backend, tiny.train.dtype, tiny.execution.mode) == (backend, "fp32", "local")
+    assert gpu.train.batch_layout == tiny.train.batch_layout == layout
+    assert gpu.train.freeze_vision_tower == tiny.train.freeze_vision_tower == name.startswith(("qwen3_5", "qwen3_6"))
     assert (tiny.data.source, tiny.loop.num_steps, tiny.rollout.rollout_batch_size) == ("reasoning_gym", 2, 2)
     assert tiny.algorithm.loss.clip_high == gpu.algorithm.loss.clip_high == 0.28  # the algorithm base, unchanged
 

@@ -99,3 +99,32 @@ def test_a_data_file_row_whose_image_is_missing_fails_its_samples_not_the_step(t
     rows = [json.loads(line) for line in (tmp_path / "missing" / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in rows if "loss" in r)
     assert step["samples/failed"] == 4 and step["grad_norm"] > 0, step  # the missing image's group of 4
+
+
+MATH = ["--reward.type", "math"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        ([], False),  # reasoning-gym text prompts: a server engine is fine
+        (["--data.source", "file", "--data.path", "x.jsonl", "--data.image-key", "images", *MATH], True),
+        (
+            ["--data.source", "custom", "--data.source-path", "miles.rollout.data.visual_tasks:build_source", *MATH],
+            True,
+        ),
+        (["--eval.sets", '[{"name": "pics", "data": {"source": "file", "path": "x.jsonl", "image_key": "im"}}]'], True),
+    ],
+)
+def test_a_vision_language_checkpoint_takes_a_server_engine_unless_its_prompts_may_carry_images(overrides, refused):
+    """Qwen3.5 / Qwen3.6 checkpoints are vision-language models; their text recipes run on SGLang servers."""
+    from miles.recipes.models.tiny import ensure_tiny
+    from miles.recipes.run import RunSetupError, _check_vision_model
+
+    engine = ["--engine.type", "sglang", "--engine.server", "miles"]
+    cfg = resolve_config("qwen3_5_35b_a3b_grpo_gsm8k", [*engine, *overrides], tiny=True)
+    if refused:
+        with pytest.raises(RunSetupError, match="image prompts run on the embedded engine only for now"):
+            _check_vision_model(cfg, ensure_tiny("qwen3.5-moe"))
+    else:
+        _check_vision_model(cfg, ensure_tiny("qwen3.5-moe"))

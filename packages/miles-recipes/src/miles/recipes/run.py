@@ -1065,9 +1065,21 @@ def _check_packed_layout(cfg: MilesConfig, model_path: Path) -> None:
             )
 
 
+def _may_feed_images(cfg: MilesConfig) -> bool:
+    """Whether this run's prompts may carry images: an ``image_key`` in the data section, a mixture component or an
+    eval set's data, or a custom data source (``data.source custom``: its entries are not known before it runs)."""
+    sections: list[Any] = [cfg.data, *cfg.data.mixture, *(eval_set.data for eval_set in cfg.eval.sets)]
+
+    def field(section: Any, key: str) -> Any:
+        return section.get(key) if isinstance(section, dict) else getattr(section, key, None)
+
+    return any(field(s, "image_key") or field(s, "source") == "custom" for s in sections)
+
+
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
-    """Refuse, in one line, what vision-language policies do not run with yet: server engines (images are not sent to
-    vLLM / SGLang servers yet), SFT and multi-turn rollouts (their renderers do not carry images), a critic (no
+    """Refuse, in one line, what vision-language policies do not run with yet: server engines when the prompts may
+    carry images (images are not sent to vLLM / SGLang servers yet; text-only runs of a vision-language checkpoint,
+    as Qwen3.5's, use them), SFT and multi-turn rollouts (their renderers do not carry images), a critic (no
     token-classification head for VLMs), LoRA (untested), and a text-only reference or teacher. Several trainer
     ranks need Ray with a server engine, refused here already; the Megatron backend refuses the architecture itself
     (``_check_megatron_models``). From config.json files alone, before anything starts."""
@@ -1078,9 +1090,12 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
         return
     where = f"models.policy.path ({model_path}) is a vision-language model"
     if cfg.engine.type != "embedded":
-        raise RunSetupError(
-            f"{where}: image prompts run on the embedded engine only for now; set --engine.type embedded"
-        )
+        if _may_feed_images(cfg):
+            raise RunSetupError(
+                f"{where}: image prompts run on the embedded engine only for now; set --engine.type embedded (a "
+                "text-only run, without data.image_key or a custom data source, may use a server engine)"
+            )
+        logger.info("%s, trained on text prompts only (engine %s)", where, cfg.engine.type)
     if cfg.rollout.mode != "generate":
         raise RunSetupError(
             f"{where}: rollout.mode {cfg.rollout.mode} does not carry images yet; use --rollout.mode generate"
