@@ -7,6 +7,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from miles.core.plugins import check_plugin_path
+from miles.sync.codecs import LossyCodecName
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 
@@ -290,7 +291,7 @@ class EmbeddedEngineConfig(_Section):
         "that gave the log-probs) and have the trainer route each token to them, gating weights from its live "
         "router logits. Needs an MoE model (Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5, GLM-5).",
     )
-    weight_codec: Literal["identity", "fp8", "mxfp8", "nvfp4", "int4"] = Field(
+    weight_codec: Literal["identity", LossyCodecName] = Field(
         "identity",
         description="Quantized rollout: the engine's weights are the miles.sync codec's round trip of the trainer's "
         "(fp8: E4M3 per 128x128 tile, mxfp8, nvfp4, int4: groups of 128), from the start and after every update "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from miles.core.config import ON_OFF  # the `on` / `off` switch every optional section takes
+from miles.sync.codecs import LossyCodecName
 from pydantic import BaseModel, ConfigDict, Field
 
 LLAMA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -147,7 +148,7 @@ class TrainConfig(BaseModel):
         "and each weight push sends the merged weights (W + scale * B A; the untouched ones exactly as loaded). "
         "null (the default) = full fine-tuning; --train.lora on (or any --train.lora.KEY) turns it on.",
     )
-    qat: Literal["none", "int4", "fp8", "mxfp8", "nvfp4"] = Field(
+    qat: Literal["none", LossyCodecName] = Field(
         "none",
         description="Quantization-aware training for a quantized rollout (engine.weight_codec, the same codec): the "
         "policy's linear layers compute with the codec's round trip of their weights (what the engine holds) and "

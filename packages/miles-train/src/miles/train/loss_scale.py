@@ -45,11 +45,15 @@ class DynamicLossScaler:
             if param.grad is not None:
                 param.grad.mul_(inverse)
 
+    def backed_off(self) -> float:
+        """The scale after an overflow now: ``max(scale * backoff_factor, min_scale)``."""
+        return max(self.scale * self.backoff_factor, self.min_scale)
+
     def update(self, *, overflow: bool) -> None:
         """Advance the schedule after a step: back off on ``overflow``, else count the step and grow after
         ``growth_interval`` of them."""
         if overflow:
-            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self.scale = self.backed_off()
             self.good_steps = 0
             return
         self.good_steps += 1
@@ -58,9 +62,13 @@ class DynamicLossScaler:
             self.good_steps = 0
 
     def state_dict(self) -> dict[str, float | int]:
+        """Every field (scale, its schedule and ``good_steps``), for ``trainer_state.json``."""
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Continue from ``state_dict()``'s ``scale`` and ``good_steps``; the schedule stays this scaler's own.
+
+        Raises: KeyError when ``state`` lacks either."""
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 

@@ -22,9 +22,10 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from miles.sync import DEFAULT_CODEC_EXCLUDE, roundtrip, uses_codec
+from miles.sync.codecs import LOSSY_CODECS
 from torch import Tensor, nn
 
-QAT_CODECS = ("int4", "fp8", "mxfp8", "nvfp4")
+QAT_CODECS = LOSSY_CODECS  # every lossy codec an engine may run
 """The ``miles.sync`` codecs ``train.qat`` can fake-quantize for (the lossy weight codecs)."""
 
 

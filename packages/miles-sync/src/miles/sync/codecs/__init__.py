@@ -8,9 +8,15 @@ the identity codec.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from miles.sync.codecs import cast, fp8, identity, int4, mxfp8, nvfp4
 from torch import Tensor
+
+# The lossy weight codecs an engine may run (``engine.weight_codec``) and QAT may fake-quantize for (``train.qat``):
+# the config fields' types and the QAT check read this one list.
+LossyCodecName = Literal["fp8", "mxfp8", "nvfp4", "int4"]
+LOSSY_CODECS: tuple[str, ...] = get_args(LossyCodecName)
 
 EncodeFn = Callable[[Tensor], tuple[Tensor, ...]]
 DecodeFn = Callable[..., Tensor]

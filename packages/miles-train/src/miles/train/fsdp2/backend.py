@@ -304,10 +304,9 @@ class FSDP2Backend:
             self.loss_scaler.unscale_(self.model.parameters())
             if math.isfinite(loss):  # non-finite gradients of a finite loss: an overflow, part of fp16 training
                 skip_nonfinite = True
-                scale = self.loss_scaler.scale
                 skip_note = (
-                    f": an fp16 overflow of the backward at loss scale {scale:g}; the scale halves to "
-                    f"{max(scale * self.loss_scaler.backoff_factor, self.loss_scaler.min_scale):g}"
+                    f": an fp16 overflow of the backward at loss scale {self.loss_scaler.scale:g}; the scale halves "
+                    f"to {self.loss_scaler.backed_off():g}"
                 )
         grad_norm, applied = guarded_step(
             self.model,
