@@ -96,7 +96,7 @@ def _nested(flat: dict) -> dict:
     multi_turn = {"max_turns": 4, "max_response_tokens": 256, "tool_timeout_s": 30.0}
     multi_turn |= {"tools": ["miles.rollout.calculator:calculator"]}
     multi_turn |= {"few_shot": [], "chat_template_kwargs": {}}
-    multi_turn |= {"agent_path": ""}  # rollout.multi_turn.agent_path: added later, no agent
+    multi_turn |= {"agent_path": "", "agent_timeout_s": None}  # added later: no agent, no limit
     tree["rollout"] = {**flat["rollout"], "max_resubmits": 2, "generate_path": "", "multi_turn": multi_turn}
     tree["rollout"] |= {"sample_hook_path": ""}
     tree["data"] = {**flat["data"], "source_path": "", "mixture": [], "image_key": ""}  # added later: off

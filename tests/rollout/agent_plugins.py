@@ -1,6 +1,9 @@
 """Agents for tests/rollout/test_agents.py (imported by their module:attr paths), and a sample hook that keeps what
 the end-to-end run generated."""
 
+import asyncio
+import threading
+
 import httpx
 
 SAMPLES = []  # what record_sample saw, in order
@@ -34,3 +37,16 @@ def record_sample(sample):
     SAMPLES.append({"prompt": sample.prompt, "tokens": sample.tokens, "response_length": sample.response_length,
                     "loss_mask": sample.loss_mask, "rollout_log_probs": sample.rollout_log_probs,
                     "status": str(sample.status), **{k: sample.metadata.get(k) for k in keys}})  # fmt: skip
+
+
+RELEASE = threading.Event()  # set by the test that hangs agents, so their threads end with it
+
+
+def sync_hangs(base_url, prompt):
+    """One request, then blocks (a stuck tool or API call) until the test releases it."""
+    sync_one_turn(base_url, prompt)
+    RELEASE.wait(60)
+
+
+async def async_hangs(base_url, prompt):
+    await asyncio.sleep(3600)

@@ -148,3 +148,35 @@ def test_the_example_agent_trains_through_the_real_loop_with_exact_ids_and_masks
             == tokenizer(check, add_special_tokens=False)["input_ids"]
         )
         assert all(math.isfinite(v) and v <= 0.0 if m else v == 0.0 for v, m in zip(log_probs, mask))
+
+
+@pytest.mark.parametrize("agent", ["agent_plugins:sync_hangs", "agent_plugins:async_hangs"])
+def test_an_agent_past_its_timeout_fails_its_sample_and_the_round_ends_while_it_still_hangs(tokenizer, agent):
+    import time
+
+    import agent_plugins
+
+    agent_plugins.RELEASE.clear()
+    generate_group = agent_rollout(agent, EchoEngine(), tokenizer, agent_timeout_s=0.5)
+    started = time.monotonic()
+    samples = generate_samples(
+        [Sample(index=0, group_index=0, prompt="Hi")], generate_group, n_samples_per_prompt=2,
+        sampling=SamplingConfig(max_new_tokens=8), seed=0,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    try:
+        assert elapsed < 10  # the sync agent's thread still blocks (up to 60 s): the round did not wait for it
+        for sample in samples:
+            assert (sample.status, sample.metadata["failure"]) == (
+                SampleStatus.FAILED,
+                "the agent ran past rollout.multi_turn.agent_timeout_s (0.5 s)",
+            )
+            assert (sample.response_length, sample.loss_mask) == (0, None)
+        assert not sessions_running()
+    finally:
+        agent_plugins.RELEASE.set()
+
+
+def test_an_agent_timeout_without_an_agent_is_refused_naming_both_keys():
+    with pytest.raises(ValueError, match="rollout.multi_turn.agent_timeout_s is set but rollout.multi_turn.agent_path"):
+        RolloutConfig(mode="multi_turn", multi_turn={"agent_timeout_s": 5})

@@ -129,10 +129,22 @@ class MultiTurnConfig(_Section):
         "at their defaults (the agent's requests bring the messages and tools). Empty (the default) = the built-in "
         "loop.",
     )
+    agent_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds an agent (agent_path) may take for one sample; past it the sample fails (metadata "
+        "failure names this key) and the group goes on. A sync agent's thread cannot be killed: it is left running "
+        "as a daemon, and its later requests to the closed session fail. None (the default) = no limit.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> MultiTurnConfig:
         check_plugin_path("rollout.multi_turn.agent_path", self.agent_path, "my_pkg.agents:agent")
+        if self.agent_timeout_s is not None and not self.agent_path:
+            raise ValueError(
+                "rollout.multi_turn.agent_timeout_s is set but rollout.multi_turn.agent_path is empty: it limits an "
+                "agent; drop --rollout.multi-turn.agent-timeout-s or set --rollout.multi-turn.agent-path"
+            )
         if self.agent_path:
             for name in ("tools", "few_shot", "tool_timeout_s"):
                 value = getattr(self, name)

@@ -24,6 +24,7 @@ from miles.core.plugins import load_plugin
 from miles.core.protocols import GroupGenerateFn
 from miles.core.sample import Sample, SampleStatus
 from miles.rollout.generate_factory import AGENT_KEY, GenerateContext
+from miles.rollout.multiturn import in_daemon_thread
 from miles.rollout.sessions import SessionServer, fail_sample
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 class AgentFn(Protocol):
     """``rollout.multi_turn.agent_path``: drives one sample's conversation through the OpenAI chat-completions API
     at ``base_url`` (``POST {base_url}/chat/completions``, any OpenAI client) and returns when it is done; async, or
-    sync (then run in a worker thread). ``prompt`` is the data's prompt sample (``prompt``, ``label``,
+    sync (then run in a daemon thread). ``prompt`` is the data's prompt sample (``prompt``, ``label``,
     ``metadata``); do not modify it. Raising fails the sample (``metadata["failure"]``)."""
 
     def __call__(self, base_url: str, prompt: Sample) -> Any: ...
@@ -48,10 +49,14 @@ class AgentRollout:
         server: the (stopped) session server.
         agent: the ``AgentFn``.
         max_response_tokens: each session's budget (``rollout.multi_turn.max_response_tokens``).
+        timeout_s: seconds one sample's agent may take (``rollout.multi_turn.agent_timeout_s``); None = no limit.
     """
 
-    def __init__(self, server: SessionServer, agent: AgentFn, *, max_response_tokens: int) -> None:
+    def __init__(
+        self, server: SessionServer, agent: AgentFn, *, max_response_tokens: int, timeout_s: float | None = None
+    ) -> None:
         self.server, self.agent, self.max_response_tokens = server, agent, max_response_tokens
+        self.timeout_s = timeout_s
         self._is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
         self._users = 0
         self._lock = threading.Lock()
@@ -84,16 +89,21 @@ class AgentRollout:
         )
         base_url = f"{self.server.url}/sessions/{session_id}/v1"
         failure = None
-        try:
-            if self._is_async:
-                await self.agent(base_url, prompt)
-            else:
-                await asyncio.to_thread(self.agent, base_url, prompt)
-        except Exception as err:  # noqa: BLE001 - the agent's error fails its sample only, never the run
+        # A sync agent runs in a daemon thread of its own: one past the timeout keeps only its thread (asyncio's
+        # default executor would be joined when the round's event loop closes, holding the round).
+        call = self.agent(base_url, prompt) if self._is_async else in_daemon_thread(self.agent, base_url, prompt)
+        task = asyncio.ensure_future(call)
+        done, _ = await asyncio.wait({task}, timeout=self.timeout_s)  # not wait_for: an agent's own TimeoutError
+        if not done:  # is its error, not this limit
+            task.cancel()
+            failure = f"the agent ran past rollout.multi_turn.agent_timeout_s ({self.timeout_s:g} s)"
+        elif (err := task.exception()) is not None:  # the agent's error fails its sample only, never the run
             failure = f"the agent raised {type(err).__name__}: {err}"
         sample = self.server.close_session(session_id)
         if failure is not None and sample.status != SampleStatus.FAILED:
             fail_sample(sample, failure, sample.tokens[: sample.prompt_length])
+        elif not done:  # the session's own reason (e.g. no request yet) follows from the hang: name the hang
+            sample.metadata["failure"] = failure
         return sample
 
     def _acquire(self) -> None:
@@ -137,4 +147,6 @@ def build_agent_generate(context: GenerateContext) -> GroupGenerateFn:
         config.max_turns,
         config.max_response_tokens,
     )
-    return AgentRollout(server, agent, max_response_tokens=config.max_response_tokens).generate_group
+    return AgentRollout(
+        server, agent, max_response_tokens=config.max_response_tokens, timeout_s=config.agent_timeout_s
+    ).generate_group
