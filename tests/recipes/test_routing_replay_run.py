@@ -6,7 +6,7 @@ import json
 
 import pytest
 from miles.recipes.cli import resolve_config
-from miles.recipes.run import run
+from miles.recipes.run import RunSetupError, run
 from moe_models import save_moe_model
 from tiny_runs import TINY_RUN_PATH, tiny_run
 
@@ -56,8 +56,9 @@ def test_routed_run_replays_the_engines_experts(moe_smollm2_dirs, tmp_path, monk
 
 def test_routed_experts_with_a_dense_model_fails_in_one_line(tiny_smollm2_dir, tmp_path):
     cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(tiny_smollm2_dir), *OVERRIDES])
-    with pytest.raises(ValueError, match="engine.routed_experts is true but the model at .* has no MoE router"):
-        run(cfg, tmp_path)
+    with pytest.raises(RunSetupError, match=r"engine.routed_experts is true but models.policy.path \(.*\) has no MoE"):
+        run(cfg, tmp_path)  # at setup, from config.json, before any model loads
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 @pytest.mark.integration

@@ -17,7 +17,7 @@ from miles.rollout.rewards.code import outputs_match, parse_test_cases
 from miles.rollout.rewards.sandbox import run_program
 
 ADD = [["1 2\n", "3\n"], ["10 -4\n", "6\n"]]  # a + b
-TIME_LIMIT_S = 1.0
+TIME_LIMIT_S = 2.0  # 1 s was too short for `import subprocess` to reach the blocked import while CI shared the cores
 
 
 def _sample(response: str, label=ADD, index: int = 0) -> Sample:
