@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from miles.recipes.cli import main, resolve_config
@@ -328,3 +329,22 @@ def test_any_error_that_ends_a_started_run_is_written_to_train_log_with_its_trac
     log = (tmp_path / "train.log").read_text()
     assert "ERROR miles.recipes.run: the run failed: ZeroDivisionError: division by zero\nTraceback" in log
     assert log.rstrip().endswith("ZeroDivisionError: division by zero")
+
+
+def test_an_engine_server_that_does_not_start_is_one_line_with_the_fix_and_its_log(tiny_smollm2_dir, tmp_path, capsys):
+    """SGLang is not installed here (nor in CI): its server exits at start; the CLI prints what failed, the fix and
+    where the server's log is, not a traceback (the log, beside the run directory, keeps the details)."""
+    import importlib.util
+    import re
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed: its server would start")
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join([GOOD] * 3))
+    args = _args(tiny_smollm2_dir, tmp_path / "runs", data, "--engine.type", "sglang", "--engine.server", "sglang")
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("miles: SGLang server 0 at http://127.0.0.1:"), err
+    assert "exited with code 1 while starting" in err and "Fix: SGLang needs a GPU and `pip install sglang`" in err
+    log = re.search(r"\(server log: (.+)\)$", err.strip()).group(1)
+    assert "No module named" in Path(log).read_text()  # the details are in the log

@@ -137,6 +137,10 @@ def test_tiny_needs_a_tiny_section_and_a_new_run(capsys):
             ["--models.policy.path", "tiny-qwen3"],
             "engine.routed_experts is true but models.policy.path (",
         ),
+        (  # a setting of a part the model does not have (was accepted silently)
+            ["--train.freeze-vision-tower", "true"],
+            "train.freeze_vision_tower is true but models.policy.path (",
+        ),
     ],
 )
 def test_what_a_twin_cannot_run_is_refused_in_one_line_before_any_model_loads(override, message, tmp_path, capsys):

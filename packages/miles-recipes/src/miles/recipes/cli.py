@@ -346,6 +346,7 @@ def _train(cfg: Any, run_dir: Path, checkpoint: Path | None, *, resumed: bool, o
     from miles.recipes.diffusion import DiffusionConfig, run_diffusion
     from miles.recipes.run import RunFailed, RunInputError, RunSetupError, run
     from miles.recipes.run_dir import completed_steps
+    from miles.rollout.engines.server import ServerStartError
 
     replace = overwrite
     if not resumed and not overwrite and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
@@ -378,6 +379,8 @@ def _train(cfg: Any, run_dir: Path, checkpoint: Path | None, *, resumed: bool, o
         result = runner(cfg, run_dir, resume_from=checkpoint, replace_existing=replace)
     except RunSetupError as err:
         return _fail(err)
+    except ServerStartError as err:  # an engine server that did not start: its line, the fix and its log's path
+        return _fail(_server_start_line(err))
     except RunInputError as err:  # one line, exit 2: the user's reward (train.log has the line too)
         saved = read_latest(run_dir / "checkpoints")
         if saved is not None:
@@ -434,6 +437,17 @@ def _print_safely(line: str) -> None:
         print(line, file=sys.stderr)  # noqa: T201
     except OSError:
         pass
+
+
+def _server_start_line(err: Exception) -> str:
+    """A ``ServerStartError`` (what failed, its log's last lines, the fix) as one line: what failed, the fix, and
+    where the log is (kept beside the run directory)."""
+    lines = str(err).splitlines()
+    parts = [lines[0], *(line for line in lines if line.startswith("Fix: "))]
+    logs = [line for line in lines if line.startswith("--- last lines of ")]
+    if logs:
+        parts.append(f"(server log: {logs[0].removeprefix('--- last lines of ').removesuffix(' ---')})")
+    return " ".join(parts)
 
 
 def _fail(err: Exception | str) -> int:

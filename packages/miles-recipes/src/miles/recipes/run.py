@@ -1087,6 +1087,11 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
     from transformers import AutoConfig
 
     if not is_multimodal_config(AutoConfig.from_pretrained(model_path)):
+        if training and cfg.train.freeze_vision_tower:
+            raise RunSetupError(
+                f"train.freeze_vision_tower is true but models.policy.path ({model_path}) has no vision tower; drop "
+                "--train.freeze-vision-tower"
+            )
         return
     where = f"models.policy.path ({model_path}) is a vision-language model"
     if cfg.engine.type != "embedded":
