@@ -348,3 +348,16 @@ def test_an_engine_server_that_does_not_start_is_one_line_with_the_fix_and_its_l
     assert "exited with code 1 while starting" in err and "Fix: SGLang needs a GPU and `pip install sglang`" in err
     log = re.search(r"\(server log: (.+)\)$", err.strip()).group(1)
     assert "No module named" in Path(log).read_text()  # the details are in the log
+
+
+def test_a_typo_of_a_registered_model_or_a_recipe_name_suggests_the_near_name():
+    from miles.recipes.registry import check_model_path, load_recipe
+
+    with pytest.raises(ValueError, match=r"config.json. Did you mean --models-policy-path tiny-glm-5\?$"):
+        check_model_path("tiny-glm5", key="models_policy_path")
+    with pytest.raises(ValueError, match=r"nor a YAML file; did you mean --recipe qwen3_6_35b_a3b_grpo_gsm8k\?$"):
+        load_recipe("qwen3_6_35b_a3b")  # a prefix
+    with pytest.raises(ValueError, match=r"nor a YAML file; did you mean --recipe smollm2_grpo_arithmetic\?$"):
+        load_recipe("smollm2_grpo_arithmetc")
+    with pytest.raises(ValueError, match=r"nor a YAML file$"):
+        load_recipe("llama4_ppo")  # nothing near: no suggestion

@@ -58,10 +58,14 @@ def test_the_vlm_recipe_runs_two_grpo_steps_with_images_and_engine_and_trainer_a
     [
         (["--engine.type", "vllm"], "image prompts run on the embedded engine only for now; set --engine.type"),
         (["--train.backend", "megatron"], "model type 'qwen3_vl' has no Megatron conversion yet"),
-        (["--train.lora", "on"], "train.lora is not supported with images yet"),
+        (
+            ["--train.lora", "on"],
+            "train.lora is not supported for vision-language models yet (untested with a vision tower)",
+        ),
         (
             ["--rollout.mode", "multi_turn"],
-            "rollout.mode multi_turn does not carry images yet; use --rollout.mode generate",
+            "rollout.mode multi_turn does not run vision-language models yet (its renderer does not carry images); use "
+            "--rollout.mode generate",
         ),
     ],
 )

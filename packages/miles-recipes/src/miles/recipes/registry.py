@@ -14,6 +14,7 @@ the recipes and are applied last.
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 from collections.abc import Callable
 from importlib import resources
@@ -49,7 +50,11 @@ def _read_recipe(name_or_path: str, *, relative_to: Path | None = None) -> tuple
     else:
         resource = resources.files("miles.recipes") / "recipes" / f"{name_or_path}.yaml"
         if not resource.is_file():
-            raise ValueError(f"--recipe {name_or_path!r} is neither a shipped recipe {recipe_names()} nor a YAML file")
+            names = recipe_names()
+            near = [n for n in names if name_or_path and n.startswith(name_or_path)]
+            near = near or difflib.get_close_matches(name_or_path, names)
+            hint = f"; did you mean --recipe {near[0]}?" if near else ""
+            raise ValueError(f"--recipe {name_or_path!r} is neither a shipped recipe {names} nor a YAML file{hint}")
         text, folder = resource.read_text(), None
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
@@ -149,6 +154,8 @@ def check_model_path(name_or_path: str, *, key: str) -> None:
         if hub_id
         else f"Pass {flag} smollm2-135m-instruct or a local HF model directory."
     )
+    if near := difflib.get_close_matches(name_or_path, list(MODELS), n=1, cutoff=0.8):  # a typo of a registered name
+        fix = f"Did you mean {flag} {near[0]}?"
     raise ValueError(
         f"{key} is {name_or_path!r}: not a registered model ({', '.join(sorted(MODELS))}) and not a directory with "
         f"config.json. {fix}"

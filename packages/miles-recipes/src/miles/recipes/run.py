@@ -1103,19 +1103,22 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
         logger.info("%s, trained on text prompts only (engine %s)", where, cfg.engine.type)
     if cfg.rollout.mode != "generate":
         raise RunSetupError(
-            f"{where}: rollout.mode {cfg.rollout.mode} does not carry images yet; use --rollout.mode generate"
+            f"{where}: rollout.mode {cfg.rollout.mode} does not run vision-language models yet (its renderer does not "
+            "carry images); use --rollout.mode generate"
         )
     if not training:
         return
-    refusals = {
-        "a critic (models.critic)": cfg.models.critic is not None,
-        "train.lora": cfg.train.lora is not None,
+    refusals = {  # what: (set, why, fix)
+        "a critic (models.critic)": (
+            cfg.models.critic is not None,
+            "no token-classification head",
+            "use an algorithm without one (GRPO, REINFORCE++)",
+        ),
+        "train.lora": (cfg.train.lora is not None, "untested with a vision tower", "drop --train.lora"),
     }
-    for what, refused in refusals.items():
+    for what, (refused, why, fix) in refusals.items():
         if refused:
-            raise RunSetupError(
-                f"{where}: {what} is not supported with images yet; train without a critic and without LoRA"
-            )
+            raise RunSetupError(f"{where}: {what} is not supported for vision-language models yet ({why}); {fix}")
     for key, section in (("models.reference.path", cfg.models.reference), ("models.teacher.path", cfg.models.teacher)):
         path = getattr(section, "path", "") if section is not None else ""
         if path:
