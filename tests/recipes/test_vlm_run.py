@@ -56,7 +56,10 @@ def test_the_vlm_recipe_runs_two_grpo_steps_with_images_and_engine_and_trainer_a
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (["--engine.type", "vllm"], "image prompts run on the embedded engine only for now; set --engine.type"),
+        (
+            ["--engine.type", "vllm"],
+            "image prompts do not go to vLLM servers yet; set --engine.type embedded or sglang",
+        ),
         (["--train.backend", "megatron"], "model type 'qwen3_vl' has no Megatron conversion yet"),
         (
             ["--train.lora", "on"],
@@ -120,15 +123,44 @@ MATH = ["--reward.type", "math"]
         (["--eval.sets", '[{"name": "pics", "data": {"source": "file", "path": "x.jsonl", "image_key": "im"}}]'], True),
     ],
 )
-def test_a_vision_language_checkpoint_takes_a_server_engine_unless_its_prompts_may_carry_images(overrides, refused):
-    """Qwen3.5 / Qwen3.6 checkpoints are vision-language models; their text recipes run on SGLang servers."""
+def test_a_vision_language_checkpoint_takes_vllm_unless_its_prompts_may_carry_images(overrides, refused):
+    """Qwen3.5 / Qwen3.6 checkpoints are vision-language models; their text recipes run on any server engine. Image
+    prompts go to the embedded engine and SGLang-API servers (as image_data), not to vLLM servers yet."""
     from miles.recipes.models.tiny import ensure_tiny
     from miles.recipes.run import RunSetupError, _check_vision_model
 
-    engine = ["--engine.type", "sglang", "--engine.server", "miles"]
-    cfg = resolve_config("qwen3_5_35b_a3b_grpo_gsm8k", [*engine, *overrides], tiny=True)
+    sglang = ["--engine.type", "sglang", "--engine.server", "miles"]
+    _check_vision_model(resolve_config("qwen3_5_35b_a3b_grpo_gsm8k", [*sglang, *overrides], tiny=True),
+                        ensure_tiny("qwen3.5-moe"))  # fmt: skip
+    cfg = resolve_config("qwen3_5_35b_a3b_grpo_gsm8k", ["--engine.type", "vllm", *overrides], tiny=True)
     if refused:
-        with pytest.raises(RunSetupError, match="image prompts run on the embedded engine only for now"):
+        with pytest.raises(RunSetupError, match="image prompts do not go to vLLM servers yet"):
             _check_vision_model(cfg, ensure_tiny("qwen3.5-moe"))
     else:
         _check_vision_model(cfg, ensure_tiny("qwen3.5-moe"))
+        # several trainer ranks: text prompts only
+        ranks = [*sglang, "--execution.mode", "ray", "--train.world-size", "2"]
+        _check_vision_model(resolve_config("qwen3_5_35b_a3b_grpo_gsm8k", ranks, tiny=True), ensure_tiny("qwen3.5-moe"))
+
+
+def test_several_trainer_ranks_with_image_prompts_are_refused_in_one_line(tmp_path, capsys):
+    args = ["--engine.type", "sglang", "--engine.server", "miles", "--execution.mode", "ray", "--train.world-size", "2"]
+    assert main(["train", "--recipe", RECIPE, "--run.dir", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert "several trainer ranks with image prompts are not supported yet" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_image_prompts_go_to_a_miles_serve_server_as_input_ids_and_image_data(tmp_path, monkeypatch):
+    """The SGLang-API path: the client sends the expanded input_ids and the images' files (image_data); `miles serve`
+    (SGLang's API; not SGLang) runs the model's own image processor on them: engine = trainer after the push."""
+    monkeypatch.syspath_prepend(TINY_RUN_PATH)
+    args = ["--reward.type", "custom", "--reward.path", "reward_plugins:text_length", "--eval.num-prompts", "0"]
+    args += ["--engine.type", "sglang", "--engine.server", "miles"]
+    args += ["--run.dir", str(tmp_path), "--run.name", "vlm_serve", "--run.progress", "false"]
+    assert main(["train", "--recipe", RECIPE, *args]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "vlm_serve" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["grad_norm"] > 0 and r["samples/failed"] == 0 for r in rows), rows
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows  # 4.7e-7 measured

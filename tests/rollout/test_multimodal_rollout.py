@@ -127,8 +127,8 @@ def test_text_only_engines_refuse_images_in_one_line(tiny_llama_dir, processor):
     text_engine = EmbeddedEngine(tiny_llama_dir, dtype="fp32", stop_token_ids=[2])
     with pytest.raises(ValueError, match=r"carries images but the engine's model \(LlamaForCausalLM\) is text-only"):
         text_engine.generate_batch([request])
-    with pytest.raises(ValueError, match="SGLang engine client does not send image prompts yet"):
-        generate_payload(request, stop_token_ids=None)
+    with pytest.raises(ValueError, match="the request has image inputs but no image_data"):
+        generate_payload(request, stop_token_ids=None)  # SGLang-API servers process image files, not tensors
     with pytest.raises(ValueError, match="vLLM engine does not take image prompts yet"):
         VLLMEngine.request_body(None, request)  # the check comes first: no server needed
 
@@ -200,3 +200,42 @@ def test_a_text_prompt_renders_as_the_text_path_does(processor):
     sample.metadata["images"] = [encode_png(Image.new("RGB", (8, 8)))]
     with pytest.raises(ValueError, match="needs a chat-message prompt with image parts"):
         processor.render_sample(sample)
+
+
+def test_image_data_is_each_images_file_as_base64_and_decodes_to_the_same_pixels(tmp_path):
+    from miles.rollout.multimodal import image_data
+
+    png = encode_png(Image.new("RGB", (40, 24), (200, 30, 60)))  # base64 text, as the visual task stores it
+    path = tmp_path / "red.png"
+    path.write_bytes(base64.b64decode(png))
+    entries = [png, str(path), f"data:image/png;base64,{png}", base64.b64decode(png), load_image(png)]
+    payloads = image_data(entries)
+    assert payloads[:4] == [png, png, png, png]  # the file's own bytes: no re-encoding
+    for entry, payload in zip(entries, payloads):
+        assert list(load_image(payload).getdata()) == list(load_image(entry).getdata())
+    with pytest.raises(ValueError, match="not a readable image"):
+        image_data(["bm90IGFuIGltYWdl"])
+
+
+def test_an_image_request_travels_as_input_ids_and_image_data_and_the_server_side_parses_it(processor):
+    from miles.rollout.engines.sglang_api import generate_payload, parse_generate_request
+    from miles.rollout.multimodal import image_data
+
+    prompt = problems(1)[0]
+    tokens, inputs = processor.render_sample(prompt)
+    payload = image_data(prompt.metadata["images"])
+    request = GenerateRequest(tokens, SAMPLING, seed=0, multimodal_inputs=inputs, image_data=payload)
+    body = generate_payload(request, stop_token_ids=None)
+    assert body["input_ids"] == tokens and body["image_data"] == payload  # placeholders expanded, files beside
+    parsed, _ = parse_generate_request(body, vocab_size=len(processor), context_length=4096, stop_token_ids=[])
+    assert parsed.prompt_tokens == tokens and parsed.image_data == payload and parsed.multimodal_inputs is None
+    # the server's processor gives back exactly the trainer's pixels
+    server = processor.image_inputs([load_image(entry) for entry in parsed.image_data])
+    assert all(torch.equal(server[key], inputs[key]) for key in inputs)
+    one, _ = parse_generate_request({**body, "image_data": payload[0]}, vocab_size=len(processor),
+                                    context_length=4096, stop_token_ids=[])  # fmt: skip
+    assert one.image_data == payload[:1]
+    with pytest.raises(ValueError, match="image_data must be a base64 image"):
+        parse_generate_request({**body, "image_data": [3]}, vocab_size=len(processor), context_length=4096,
+                               stop_token_ids=[])  # fmt: skip
+    assert generate_payload(GenerateRequest(tokens, SAMPLING), stop_token_ids=None).get("image_data") is None

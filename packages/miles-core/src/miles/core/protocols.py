@@ -27,6 +27,8 @@ class GenerateRequest:
         request_id: names the request in the engine (abort, logs) and in its output; a fresh uuid4 hex by default.
         multimodal_inputs: the prompt's image inputs (``miles.core.multimodal``), whose placeholder tokens are in
             ``prompt_tokens``; None for a text-only prompt. Engines that cannot take images refuse them.
+        image_data: the same images as base64-encoded image files, one per image in order (what an SGLang-API
+            server's ``/generate`` takes as ``image_data`` and processes itself); None for a text-only prompt.
     """
 
     prompt_tokens: list[int]
@@ -34,6 +36,7 @@ class GenerateRequest:
     seed: int | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     multimodal_inputs: dict[str, Any] | None = None
+    image_data: list[str] | None = None
 
 
 @dataclass

@@ -1077,12 +1077,12 @@ def _may_feed_images(cfg: MilesConfig) -> bool:
 
 
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
-    """Refuse, in one line, what vision-language policies do not run with yet: server engines when the prompts may
-    carry images (images are not sent to vLLM / SGLang servers yet; text-only runs of a vision-language checkpoint,
-    as Qwen3.5's, use them), SFT and multi-turn rollouts (their renderers do not carry images), a critic (no
-    token-classification head for VLMs), LoRA (untested), and a text-only reference or teacher. Several trainer
-    ranks need Ray with a server engine, refused here already; the Megatron backend refuses the architecture itself
-    (``_check_megatron_models``). From config.json files alone, before anything starts."""
+    """Refuse, in one line, what vision-language policies do not run with yet: vLLM servers when the prompts may
+    carry images (SGLang-API servers take them as image_data; text-only runs of a vision-language checkpoint, as
+    Qwen3.5's, use any engine), several trainer ranks with images, SFT and multi-turn rollouts (their renderers do
+    not carry images), a critic (no token-classification head for VLMs), LoRA (untested), and a text-only reference
+    or teacher. The Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json
+    files alone, before anything starts."""
     from miles.core.multimodal import is_multimodal_config
     from transformers import AutoConfig
 
@@ -1094,13 +1094,19 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
             )
         return
     where = f"models.policy.path ({model_path}) is a vision-language model"
-    if cfg.engine.type != "embedded":
-        if _may_feed_images(cfg):
+    images = _may_feed_images(cfg)
+    if cfg.engine.type == "vllm":
+        if images:
             raise RunSetupError(
-                f"{where}: image prompts run on the embedded engine only for now; set --engine.type embedded (a "
-                "text-only run, without data.image_key or a custom data source, may use a server engine)"
+                f"{where}: image prompts do not go to vLLM servers yet; set --engine.type embedded or sglang (a "
+                "text-only run, without data.image_key or a custom data source, may use vLLM)"
             )
-        logger.info("%s, trained on text prompts only (engine %s)", where, cfg.engine.type)
+        logger.info("%s, trained on text prompts only (engine vllm)", where)
+    if images and cfg.train.world_size > 1:
+        raise RunSetupError(
+            f"{where}: several trainer ranks with image prompts are not supported yet (a rank whose micro-batch "
+            "holds no image would skip the vision tower's collectives); set --train.world-size 1"
+        )
     if cfg.rollout.mode != "generate":
         raise RunSetupError(
             f"{where}: rollout.mode {cfg.rollout.mode} does not run vision-language models yet (its renderer does not "

@@ -289,7 +289,8 @@ class EmbeddedEngineConfig(_Section):
         False,
         description="MoE routing replay (R3): record the experts every router chose for each token (from the forward "
         "that gave the log-probs) and have the trainer route each token to them, gating weights from its live "
-        "router logits. Needs an MoE model (Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5, GLM-5).",
+        "router logits. Needs an MoE model (Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, OLMoE, DeepSeek-V3, DeepSeek-V4, "
+        "GLM-4.5, GLM-5).",
     )
     weight_codec: Literal["identity", LossyCodecName] = Field(
         "identity",

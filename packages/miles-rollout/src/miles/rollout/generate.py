@@ -13,6 +13,7 @@ from miles.core.config import SamplingConfig
 from miles.core.multimodal import MultimodalInputs
 from miles.core.protocols import Engine, GenerateOutput, GenerateRequest, RequestFailed
 from miles.core.sample import Sample, SampleStatus
+from miles.rollout.multimodal import image_data
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,10 @@ async def generate_group(
         for j in range(n)
     ]  # fmt: skip
     try:
+        payload = None
         if prompt.metadata.get("images"):  # decoding and processing images: off the event loop
             prompt_tokens, images = await asyncio.to_thread(render_prompt_inputs, tokenizer, prompt)
+            payload = image_data(prompt.metadata["images"])  # for servers that process the images themselves
         else:
             prompt_tokens, images = render_prompt_inputs(tokenizer, prompt)
         if len(prompt_tokens) > max_prompt_tokens:
@@ -131,7 +134,9 @@ async def generate_group(
         sample.multimodal_inputs = images
         for attempt in range(max_resubmits + 1):
             try:
-                request = GenerateRequest(prompt_tokens, sampling, seed=seed, multimodal_inputs=images)
+                request = GenerateRequest(
+                    prompt_tokens, sampling, seed=seed, multimodal_inputs=images, image_data=payload
+                )
                 output = await engine.generate(request)
             except RequestFailed as err:
                 sample.status = SampleStatus.FAILED

@@ -117,11 +117,20 @@ class VisionProcessor:
         with self._render_lock:
             return self._render(messages, images)
 
+    def image_inputs(self, images: Sequence[Any]) -> MultimodalInputs:
+        """The model's image processor over ``images`` (RGB PIL images, in order): ``{"pixel_values": [P, D]
+        float32, "image_grid_thw": [I, 3] int64}``; each image takes ``prod(grid) / merge_size**2`` placeholders."""
+        import torch
+
+        processed = self.image_processor(images=list(images), return_tensors="pt")
+        return {
+            "pixel_values": processed["pixel_values"].to(torch.float32),
+            "image_grid_thw": processed["image_grid_thw"].to(torch.int64),
+        }
+
     def _render(
         self, messages: list[dict[str, Any]], images: Sequence[Any]
     ) -> tuple[list[int], MultimodalInputs | None]:
-        import torch
-
         num_parts = count_image_parts(messages)
         if num_parts != len(images):
             raise ValueError(
@@ -136,11 +145,7 @@ class VisionProcessor:
             )
         inputs = None
         if images:
-            processed = self.image_processor(images=list(images), return_tensors="pt")
-            inputs = {
-                "pixel_values": processed["pixel_values"].to(torch.float32),
-                "image_grid_thw": processed["image_grid_thw"].to(torch.int64),
-            }
+            inputs = self.image_inputs(images)
             pieces = text.split(self.image_token)
             counts = [int(n) // self.merge_size**2 for n in inputs["image_grid_thw"].prod(dim=1)]
             text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
@@ -199,6 +204,33 @@ def load_image(entry: Any) -> Any:
     except (OSError, UnidentifiedImageError, binascii.Error) as err:
         raise ValueError(f"metadata['images'] entry is not a readable image ({err})") from None
     raise ValueError(f"metadata['images'] entry of type {type(entry).__name__}: give base64 text, bytes or a file path")
+
+
+def image_data(entries: Sequence[Any]) -> list[str]:
+    """``metadata["images"]`` entries as base64-encoded image files, the form an SGLang-API server's
+    ``image_data`` takes: the original file bytes where there are some (base64 text as is, a data URI's payload,
+    a file's or raw bytes' base64), a PIL image as PNG; so the server decodes exactly what ``load_image`` decodes.
+
+    Raises: ValueError as ``load_image`` for an entry that is not a readable image.
+    """
+    from PIL import Image
+
+    payloads = []
+    for entry in entries:
+        load_image(entry)  # refuse an unreadable entry here, not on the server
+        if isinstance(entry, Image.Image):
+            buffer = io.BytesIO()
+            entry.save(buffer, format="PNG")
+            payloads.append(base64.b64encode(buffer.getvalue()).decode())
+        elif isinstance(entry, bytes | bytearray):
+            payloads.append(base64.b64encode(bytes(entry)).decode())
+        elif str(entry).startswith("data:") and ";base64," in str(entry)[:64]:
+            payloads.append(str(entry).split(";base64,", 1)[1])
+        elif is_file_path(entry):
+            payloads.append(base64.b64encode(Path(entry).read_bytes()).decode())
+        else:
+            payloads.append(str(entry))
+    return payloads
 
 
 def is_file_path(text: str | Path) -> bool:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
@@ -90,6 +91,7 @@ class ServeState:
     adapters: dict[str, str] = field(default_factory=dict)  # loaded LoRA adapters, oldest first: name -> path
     adapter_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # name -> its update
     active_adapter: str | None = None  # the one the engine applies (the newest loaded)
+    processor: Any = None  # a vision-language model's VisionProcessor: /generate's image_data -> image inputs
 
     @property
     def version(self) -> str:
@@ -105,6 +107,10 @@ def create_app(engine: EmbeddedEngine, *, model_path: str) -> FastAPI:
         vocab_size=engine.model.get_input_embeddings().num_embeddings,
         context_length=int(getattr(engine.model.config, "max_position_embeddings", 1 << 30)),
     )
+    if engine.multimodal:  # the same processor as the trainer's renders: same pixels from the same image files
+        from miles.rollout.multimodal import VisionProcessor
+
+        state.processor = VisionProcessor.from_pretrained(model_path)
 
     def sleep_before_forward(module: Any, args: Any) -> None:
         if state.forward_sleep_s > 0:
@@ -244,6 +250,9 @@ async def generate(request: Request) -> Response:
             routed_experts=state.engine.routing is not None,
         )
         _check_lora_path(state, body.get("lora_path"))
+        if parsed.image_data is not None:
+            images = await asyncio.to_thread(_image_inputs, state, parsed.image_data)
+            parsed = dataclasses.replace(parsed, multimodal_inputs=images)
         output = await state.engine.generate(parsed)
     except WeightsReleasedError as err:
         return _error(f"{err} (POST /resume_memory_occupation, then push weights)", 503)
@@ -262,6 +271,17 @@ async def generate(request: Request) -> Response:
         return_routed_experts=bool(body.get("return_routed_experts")),
     )
     return JSONResponse(answer)
+
+
+def _image_inputs(state: ServeState, image_data: list[str]) -> dict[str, torch.Tensor]:
+    """``image_data`` (base64 image files) -> the model's image inputs, by its own image processor.
+
+    Raises: ValueError (the request's 400) for a text-only model or an unreadable image."""
+    from miles.rollout.multimodal import load_image
+
+    if state.processor is None:
+        raise ValueError(f"image_data: the model at {state.model_path} takes text only (no vision tower)")
+    return state.processor.image_inputs([load_image(entry) for entry in image_data])
 
 
 def _check_lora_path(state: ServeState, lora_path: Any) -> None:

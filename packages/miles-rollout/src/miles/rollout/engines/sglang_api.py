@@ -31,7 +31,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 # GenerateReqInput fields miles serve does not implement, with the values that mean "not used" (None: any value
 # is fine, the field changes nothing here: metrics, tracing, routing hints).
 GENERATE_NEUTRAL: dict[str, tuple[Any, ...] | None] = {
-    "input_embeds": (None,), "image_data": (None,), "video_data": (None,), "audio_data": (None,),
+    "input_embeds": (None,), "video_data": (None,), "audio_data": (None,),
     "logprob_start_len": (None, -1), "top_logprobs_num": (None, 0), "token_ids_logprob": (None,),
     "return_text_in_logprobs": (False,), "stream": (False, None), "return_hidden_states": (False,),
     "modalities": (None,), "session_params": (None,),
@@ -63,13 +63,15 @@ def generate_payload(
 ) -> dict[str, Any]:
     """The ``/generate`` body for ``request``: token ids in, log-probs requested, ``rid`` = ``request_id``; with
     ``return_routed_experts`` the MoE experts each token was routed to (routing replay, R3); with ``lora_path`` the
-    name of the loaded LoRA adapter to apply (SGLang's field takes a loaded adapter's name).
+    name of the loaded LoRA adapter to apply (SGLang's field takes a loaded adapter's name). A prompt with images
+    sends them as ``image_data`` (base64 image files, in order) beside ``input_ids`` that already hold each image's
+    expanded placeholders (SGLang's token-in-token-out VLM usage): the server runs its own image processor on them.
 
-    Raises: ValueError for a request with images (``image_data`` is not sent yet)."""
-    if request.multimodal_inputs is not None:
+    Raises: ValueError for a request with image inputs but no ``image_data`` (nothing the server could process)."""
+    if request.multimodal_inputs is not None and not request.image_data:
         raise ValueError(
-            "the SGLang engine client does not send image prompts yet; run vision-language models on the embedded "
-            "engine (--engine.type embedded)"
+            "the request has image inputs but no image_data (the images as base64 files) for the SGLang server to "
+            "process; build image requests with miles.rollout.generate"
         )
     sampling = request.sampling
     params: dict[str, Any] = {
@@ -93,6 +95,8 @@ def generate_payload(
         body["return_routed_experts"] = True
     if lora_path is not None:
         body["lora_path"] = lora_path
+    if request.multimodal_inputs is not None:
+        body["image_data"] = list(request.image_data)
     return body
 
 
@@ -245,7 +249,8 @@ def parse_generate_request(
         "rid",
         "return_routed_experts",
         "lora_path",
-    }  # lora_path: checked by the server against its loaded adapters
+        "image_data",
+    }  # lora_path: checked by the server against its loaded adapters; image_data: processed by the server
     _check_neutral(body, GENERATE_NEUTRAL, known, "")
     return_routed = body.get("return_routed_experts") or False
     if not isinstance(return_routed, bool):
@@ -279,7 +284,15 @@ def parse_generate_request(
             f"{len(input_ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} exceed the model's context "
             f"length {context_length}; shorten the prompt or lower sampling_params.max_new_tokens"
         )
-    return GenerateRequest(list(input_ids), sampling, seed=seed, request_id=rid or uuid.uuid4().hex), return_logprob
+    images = body.get("image_data")
+    if isinstance(images, str):
+        images = [images]
+    if images is not None and (not isinstance(images, list) or not all(isinstance(x, str) and x for x in images)):
+        raise ValueError("image_data must be a base64 image (or a list of them, one per image of the prompt)")
+    request = GenerateRequest(
+        list(input_ids), sampling, seed=seed, request_id=rid or uuid.uuid4().hex, image_data=images or None
+    )
+    return request, return_logprob
 
 
 def parse_sampling_params(
