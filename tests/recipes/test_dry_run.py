@@ -22,6 +22,7 @@ CASES = {
     "deepseek_v4_flash_grpo_gsm8k": ("deepseek_v4_flash_grpo_gsm8k", MODEL),
     "qwen3_5_35b_a3b_grpo_gsm8k": ("qwen3_5_35b_a3b_grpo_gsm8k", MODEL),
     "qwen3_5_27b_grpo_gsm8k": ("qwen3_5_27b_grpo_gsm8k", MODEL),
+    "qwen3_vl_2b_grpo_visual": ("qwen3_vl_2b_grpo_visual", MODEL),
     "default_embedded": ("smollm2_grpo_arithmetic", []),
     "vllm_two_servers_delta": (
         "smollm2_grpo_arithmetic",

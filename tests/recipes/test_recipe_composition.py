@@ -23,6 +23,7 @@ NESTED_ONLY = {
     "qwen3_5_35b_a3b_grpo_gsm8k",
     "qwen3_6_35b_a3b_grpo_gsm8k",
     "qwen3_5_27b_grpo_gsm8k",
+    "qwen3_vl_2b_grpo_visual",
     "tiny_qwen3_vl_grpo_visual",  # vision-language RL (tests/recipes/test_vlm_run.py)
     "tiny_flow_grpo_compressibility",  # diffusion (tests/recipes/test_diffusion_run.py)
     "tiny_flow_nft_compressibility",

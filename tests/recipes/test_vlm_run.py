@@ -164,3 +164,18 @@ def test_image_prompts_go_to_a_miles_serve_server_as_input_ids_and_image_data(tm
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["grad_norm"] > 0 and r["samples/failed"] == 0 for r in rows), rows
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows  # 4.7e-7 measured
+
+
+@pytest.mark.slow
+def test_the_qwen3_vl_gpu_recipe_validates_and_its_tiny_twin_trains_with_images(tmp_path, monkeypatch):
+    gpu = resolve_config("qwen3_vl_2b_grpo_visual", [])
+    assert (gpu.models.policy.path, gpu.engine.type, gpu.train.world_size) == ("Qwen/Qwen3-VL-2B-Instruct", "sglang", 1)
+    assert (gpu.data.source, gpu.reward.type, gpu.train.dtype) == ("custom", "exact_match", "bf16")
+    monkeypatch.syspath_prepend(TINY_RUN_PATH)
+    args = ["--reward.type", "custom", "--reward.path", "reward_plugins:text_length", "--eval.num-prompts", "0"]
+    args += ["--run.dir", str(tmp_path), "--run.name", "vl2b", "--run.progress", "false"]
+    assert main(["train", "--recipe", "qwen3_vl_2b_grpo_visual", "--tiny", *args]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "vl2b" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["samples/failed"] == 0 for r in rows), rows
+    assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-5, rows  # packed batches with images
