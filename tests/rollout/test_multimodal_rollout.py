@@ -239,3 +239,23 @@ def test_an_image_request_travels_as_input_ids_and_image_data_and_the_server_sid
         parse_generate_request({**body, "image_data": [3]}, vocab_size=len(processor), context_length=4096,
                                stop_token_ids=[])  # fmt: skip
     assert generate_payload(GenerateRequest(tokens, SAMPLING), stop_token_ids=None).get("image_data") is None
+
+
+def test_miles_serve_decodes_image_data_as_base64_only_and_names_the_bad_entry(processor):
+    from types import SimpleNamespace
+
+    from miles.rollout.serve import _image_inputs
+
+    prompt = problems(1)[0]
+    _, inputs = processor.render_sample(prompt)
+    state = SimpleNamespace(processor=processor, model_path="m")
+    [png] = prompt.metadata["images"]
+    for entry in (png, f"data:image/png;base64,{png}"):
+        got = _image_inputs(state, [entry])
+        assert all(torch.equal(got[key], inputs[key]) for key in inputs)
+    with pytest.raises(ValueError, match=r"^image_data\[1\] is not base64 text"):
+        _image_inputs(state, [png, "/etc/passwd"])  # a path is never opened: the server reads no local files
+    with pytest.raises(ValueError, match=r"^image_data\[0\] is base64 but not an image file PIL can read$"):
+        _image_inputs(state, [base64.b64encode(b"not an image").decode()])
+    with pytest.raises(ValueError, match="takes text only"):
+        _image_inputs(SimpleNamespace(processor=None, model_path="m"), [png])

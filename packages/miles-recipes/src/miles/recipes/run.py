@@ -1065,15 +1065,29 @@ def _check_packed_layout(cfg: MilesConfig, model_path: Path) -> None:
             )
 
 
+def _feeds_images(cfg: MilesConfig) -> bool:
+    """Whether this run's prompts surely carry images: an ``image_key`` in the data section, a mixture component or
+    an eval set's data, or the bundled visual task as the data source."""
+    visual = "miles.rollout.data.visual_tasks:"
+    return any(
+        _data_field(s, "image_key") or str(_data_field(s, "source_path") or "").startswith(visual)
+        for s in _data_sections(cfg)
+    )
+
+
+def _data_sections(cfg: MilesConfig) -> list[Any]:
+    """The data section, its mixture components and the eval sets' data overrides (dicts)."""
+    return [cfg.data, *cfg.data.mixture, *(eval_set.data for eval_set in cfg.eval.sets)]
+
+
+def _data_field(section: Any, key: str) -> Any:
+    return section.get(key) if isinstance(section, dict) else getattr(section, key, None)
+
+
 def _may_feed_images(cfg: MilesConfig) -> bool:
     """Whether this run's prompts may carry images: an ``image_key`` in the data section, a mixture component or an
     eval set's data, or a custom data source (``data.source custom``: its entries are not known before it runs)."""
-    sections: list[Any] = [cfg.data, *cfg.data.mixture, *(eval_set.data for eval_set in cfg.eval.sets)]
-
-    def field(section: Any, key: str) -> Any:
-        return section.get(key) if isinstance(section, dict) else getattr(section, key, None)
-
-    return any(field(s, "image_key") or field(s, "source") == "custom" for s in sections)
+    return any(_data_field(s, "image_key") or _data_field(s, "source") == "custom" for s in _data_sections(cfg))
 
 
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
@@ -1087,6 +1101,11 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
     from transformers import AutoConfig
 
     if not is_multimodal_config(AutoConfig.from_pretrained(model_path)):
+        if _feeds_images(cfg):
+            raise RunSetupError(
+                f"models.policy.path ({model_path}) is a text-only model but the prompts carry images (data.image_key "
+                "or the bundled visual task); use a vision-language model (e.g. --models.policy.path tiny-qwen3-vl)"
+            )
         if training and cfg.train.freeze_vision_tower:
             raise RunSetupError(
                 f"train.freeze_vision_tower is true but models.policy.path ({model_path}) has no vision tower; drop "

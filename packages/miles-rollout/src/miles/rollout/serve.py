@@ -274,14 +274,28 @@ async def generate(request: Request) -> Response:
 
 
 def _image_inputs(state: ServeState, image_data: list[str]) -> dict[str, torch.Tensor]:
-    """``image_data`` (base64 image files) -> the model's image inputs, by its own image processor.
+    """``image_data`` (base64 image files, or data URIs) -> the model's image inputs, by its own image processor
+    (decoded as ``miles.rollout.multimodal.load_image`` decodes: PIL, RGB).
 
-    Raises: ValueError (the request's 400) for a text-only model or an unreadable image."""
-    from miles.rollout.multimodal import load_image
+    Raises: ValueError (the request's 400) for a text-only model or an entry that is not a base64 image file."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image, UnidentifiedImageError
 
     if state.processor is None:
         raise ValueError(f"image_data: the model at {state.model_path} takes text only (no vision tower)")
-    return state.processor.image_inputs([load_image(entry) for entry in image_data])
+    images = []
+    for i, entry in enumerate(image_data):
+        text = entry.split(";base64,", 1)[1] if entry.startswith("data:") and ";base64," in entry[:64] else entry
+        try:  # base64 only: this server never reads files named by a request
+            images.append(Image.open(io.BytesIO(base64.b64decode(text, validate=True))).convert("RGB"))
+        except binascii.Error:
+            raise ValueError(f"image_data[{i}] is not base64 text; send each image file base64-encoded") from None
+        except (OSError, UnidentifiedImageError):
+            raise ValueError(f"image_data[{i}] is base64 but not an image file PIL can read") from None
+    return state.processor.image_inputs(images)
 
 
 def _check_lora_path(state: ServeState, lora_path: Any) -> None:
