@@ -331,13 +331,7 @@ def test_a_killed_rank_fails_every_later_call_naming_it_and_close_releases_actor
     def placed() -> set:
         return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
 
-    # the earlier tests' actors free their CPUs asynchronously: start from an idle cluster (a CI run measured 0 free
-    # CPUs here, then 2 after close, and failed)
-    total, deadline = ray.cluster_resources().get("CPU", 0.0), time.monotonic() + 60
-    while ray.available_resources().get("CPU", 0.0) < total and time.monotonic() < deadline:
-        time.sleep(0.2)
     placed_before, cpus_before = placed(), ray.available_resources().get("CPU", 0.0)
-    assert cpus_before == total
     group = RayTrainGroup(tiny_llama_dir, train=TrainConfig(world_size=2, **TRAIN), temperature=1.0)
     assert len(placed() - placed_before) == 1
     actors = group.actors
@@ -360,4 +354,6 @@ def test_a_killed_rank_fails_every_later_call_naming_it_and_close_releases_actor
     deadline = time.monotonic() + 30  # the raylet reports freed resources asynchronously
     while ray.available_resources().get("CPU", 0.0) < cpus_before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0.0) == cpus_before
+    # at least what was free before: earlier tests' actors may free theirs meanwhile (a loaded CI run measured 0 free
+    # CPUs before and 2 after), while bundles the group kept would leave fewer
+    assert ray.available_resources().get("CPU", 0.0) >= cpus_before

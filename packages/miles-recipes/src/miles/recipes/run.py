@@ -1120,7 +1120,8 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
                 f"{where}: image prompts do not go to vLLM servers yet; set --engine.type embedded or sglang (a "
                 "text-only run, without data.image_key or a custom data source, may use vLLM)"
             )
-        logger.info("%s, trained on text prompts only (engine vllm)", where)
+    if not images and cfg.engine.type != "embedded":
+        logger.info("%s, trained on text prompts only (engine %s)", where, cfg.engine.type)
     if images and cfg.train.world_size > 1:
         raise RunSetupError(
             f"{where}: several trainer ranks with image prompts are not supported yet (a rank whose micro-batch "
