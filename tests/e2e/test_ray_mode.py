@@ -596,3 +596,34 @@ def test_a_vision_language_checkpoint_trains_on_text_with_two_ranks_and_servers_
     assert len(tower) > 10 and all(torch.equal(start[name], end[name]) for name in tower)
     assert any(not torch.equal(start[n], end[n]) for n in start if ".language_model.layers." in n)
     _assert_ports_free(_server_urls(run_dir))
+
+
+def test_image_prompts_train_with_two_ranks_on_miles_serve_servers_and_the_tower_learns(cluster, workdir):
+    """Images with several trainer ranks: the tiny Qwen3-VL twin on the bundled visual questions, 2 FSDP2 ranks (the
+    vision tower trained and sharded) and 2 `miles serve` servers (SGLang's API; not SGLang) behind the router, the
+    samples' pixel inputs carried to the ranks through Ray: after each push the engines' log-probs equal the
+    trainer's, and the tower moved."""
+    from miles.core.multimodal import load_policy_model
+    from miles.recipes.models.tiny import ensure_tiny
+
+    _, address = cluster
+    run_dir = workdir / "vlm_images"
+    args = [
+        "--recipe", "tiny_qwen3_vl_grpo_visual", *RAY_MODE, "--execution.ray.address", address,
+        "--reward.type", "custom", "--reward.path", "ray_reward:odd_first_token",
+        "--rollout.rollout-batch-size", "2", "--rollout.n-samples-per-prompt", "4", "--eval.num-prompts", "0",
+        "--train.micro-batch-size", "2",
+        "--run.dir", str(workdir), "--run.name", "vlm_images", "--run.progress", "false", "--run.num-threads", "1",
+    ]  # fmt: skip
+    rc, stderr = Run(args, workdir).finish(min_children=1)
+    assert rc == 0, stderr[-4000:]
+    rows = [r for r in _metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["samples/failed"] == 0 for r in rows), rows
+    assert all(r["grad_norm"] > 0 and r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows
+    start, end = (
+        dict(load_policy_model(path).named_parameters())
+        for path in (ensure_tiny("qwen3-vl"), run_dir / "checkpoints" / "step_2" / "model")
+    )
+    assert start.keys() == end.keys()
+    assert any(not torch.equal(start[n], end[n]) for n in start if ".visual.blocks." in n)
+    _assert_ports_free(_server_urls(run_dir))

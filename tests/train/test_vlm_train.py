@@ -2,19 +2,25 @@
 outside the loss, every weight (vision tower included) pushed through miles-sync, the tower frozen by config. The
 tiny random Qwen3-VL twin; one regression test per fault class VLM RL frameworks are known for."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from miles.core.algorithms.objective import PolicyObjective
+from miles.core.algorithms.objective import LossCounts, PolicyObjective
 from miles.core.batch import build_train_batch
 from miles.core.buffer import generate_samples
 from miles.core.config import AlgorithmConfig, SamplingConfig
 from miles.core.loop import train_step
+from miles.core.sample import Sample
 from miles.rollout.data.visual_tasks import VisualTaskSource
 from miles.rollout.engines import EmbeddedEngine
 from miles.rollout.generate import ChatRollout
 from miles.rollout.multimodal import load_tokenizer
 from miles.sync import InProcessTransport, WeightSender
 from miles.train import FSDP2Backend, TrainConfig
+from transformers import AutoModelForCausalLM
 
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6)
 OBJECTIVE = PolicyObjective(AlgorithmConfig(), max_new_tokens=6)
@@ -36,8 +42,6 @@ def rollout(tiny_vlm_dir):
 
 def _samples(rollout):
     """The rollout's samples again, rebuilt from its batch (the fixture keeps only the batch)."""
-    from miles.core.sample import Sample
-
     _, _, batch = rollout
     samples = []
     for b in range(batch.batch_size):
@@ -129,9 +133,6 @@ def test_a_frozen_vision_tower_stays_as_loaded_while_the_language_model_trains(t
 def test_the_packed_layout_gives_the_padded_log_probs_with_images_and_text_rows(tiny_vlm_dir, rollout):
     """Packed rows keep each sample's multimodal RoPE positions (computed on the row alone) behind text positions
     that restart per row; a text-only row packs beside image rows."""
-    from miles.core.batch import build_train_batch
-    from miles.core.sample import Sample
-
     engine, processor, batch = rollout
     text = Sample(index=9, group_index=9, prompt=[{"role": "user", "content": "Say hi."}])
     text_samples = generate_samples([text], ChatRollout(engine, processor), n_samples_per_prompt=2, sampling=SAMPLING,
@@ -151,3 +152,79 @@ def test_the_packed_layout_gives_the_padded_log_probs_with_images_and_text_rows(
     forged = tuple(rows[swap[b]] if b in swap else None for b in range(8))
     other = packed_backend.forward(mixed.replace(multimodal_inputs=forged), outputs={"old_log_probs"}).old_log_probs
     assert _max_gap(other, padded, mixed.loss_mask) > 1e-3
+
+
+def _mixed_rows(rollout):
+    """2 image rows then 2 text rows (a mixture of visual and text prompts), advantages +1, -1, +1, -1."""
+    engine, processor, _ = rollout
+    text = Sample(index=9, group_index=9, prompt=[{"role": "user", "content": "Say hi."}])
+    text_samples = generate_samples([text], ChatRollout(engine, processor), n_samples_per_prompt=2, sampling=SAMPLING,
+                                    seed=5)  # fmt: skip
+    rows = _samples(rollout)[:2] + text_samples
+    return build_train_batch(rows, torch.tensor([1.0, -1.0, 1.0, -1.0]), pad_token_id=processor.pad_token_id)
+
+
+def test_the_tower_keepalive_runs_the_tower_on_text_rows_and_changes_no_value(tiny_vlm_dir, tiny_llama_dir, rollout):
+    """keep_vision_tower_in_step: a text-only forward runs the tower once more (on a blank image) so sharded ranks
+    stay in step, with logits and language-model gradients bit-equal and a zero gradient on every tower weight; a
+    forward with images runs the tower once, as without the hooks."""
+    from miles.core.multimodal import load_policy_model, multimodal_forward_kwargs
+    from miles.train.fsdp2.parallelize import keep_vision_tower_in_step
+
+    batch = _mixed_rows(rollout)
+    plain, kept = (load_policy_model(tiny_vlm_dir, dtype=torch.float32) for _ in range(2))
+    assert keep_vision_tower_in_step(kept)
+    calls = []
+    kept.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    text = batch.slice(2, 4)
+    logits = {}
+    for name, model in (("plain", plain), ("kept", kept)):
+        logits[name] = model(input_ids=text.tokens, attention_mask=text.attention_mask.long()).logits
+        logits[name].float().logsumexp(-1).sum().backward()
+    assert len(calls) == 1
+    assert torch.equal(logits["kept"], logits["plain"])
+    grads = {n: p.grad for n, p in kept.named_parameters()}
+    for name, p in plain.named_parameters():
+        if name.startswith("model.visual."):
+            assert p.grad is None and grads[name] is not None and not grads[name].any(), name
+        else:
+            assert torch.equal(grads[name], p.grad), name
+    images = batch.slice(0, 2)
+    kwargs = multimodal_forward_kwargs(kept, images.tokens, images.multimodal_inputs)
+    with torch.no_grad():
+        out = kept(input_ids=images.tokens, attention_mask=images.attention_mask.long(), **kwargs).logits
+        ref = plain(input_ids=images.tokens, attention_mask=images.attention_mask.long(), **kwargs).logits
+    assert len(calls) == 2 and torch.equal(out, ref)
+    assert not keep_vision_tower_in_step(AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
+
+
+@pytest.mark.integration
+def test_two_ranks_one_with_image_rows_one_with_text_rows_give_the_one_rank_gradient(tiny_vlm_dir, rollout, tmp_path):
+    """Two gloo ranks, rank 0 holding the image rows and rank 1 the text rows (which alone never call the vision
+    tower): neither waits forever in the tower's collectives, each rank's log-probs equal the one-rank ones, and the
+    reduced gradient (vision tower included) equals the one-rank gradient of the whole batch."""
+    batch = _mixed_rows(rollout)
+    torch.save(batch, tmp_path / "batch.pt")
+    worker = Path(__file__).parent / "fsdp2_vlm_worker.py"
+    args = [str(tmp_path / "init"), str(tiny_vlm_dir), str(tmp_path / "batch.pt"), str(tmp_path / "rank")]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", *args], cwd=worker.parent) for r in range(2)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0]
+    single = _backend(tiny_vlm_dir)
+    old = single.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)["old_log_probs"]
+        width = got.shape[1]
+        rows = batch.slice(2 * rank, 2 * rank + 2)
+        assert _max_gap(got, old[2 * rank : 2 * rank + 2, :width], rows.loss_mask[:, :width]) < 1e-6
+    single.forward_backward(batch.replace(old_log_probs=old), OBJECTIVE, LossCounts.of(batch))
+    expected = single.full_gradients()
+    grads = torch.load(tmp_path / "rank0.pt", weights_only=True)["grads"]
+    assert sorted(grads) == sorted(expected)
+    assert any(n.startswith("model.visual.blocks.") and grads[n].abs().sum() > 0 for n in grads)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)

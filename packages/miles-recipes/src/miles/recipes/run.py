@@ -1093,7 +1093,7 @@ def _may_feed_images(cfg: MilesConfig) -> bool:
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
     """Refuse, in one line, what vision-language policies do not run with yet: vLLM servers when the prompts may
     carry images (SGLang-API servers take them as image_data; text-only runs of a vision-language checkpoint, as
-    Qwen3.5's, use any engine), several trainer ranks with images, SFT and multi-turn rollouts (their renderers do
+    Qwen3.5's, use any engine), SFT and multi-turn rollouts (their renderers do
     not carry images), a critic (no token-classification head for VLMs), LoRA (untested), and a text-only reference
     or teacher. The Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json
     files alone, before anything starts."""
@@ -1122,11 +1122,6 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
             )
     if not images and cfg.engine.type != "embedded":
         logger.info("%s, trained on text prompts only (engine %s)", where, cfg.engine.type)
-    if images and cfg.train.world_size > 1:
-        raise RunSetupError(
-            f"{where}: several trainer ranks with image prompts are not supported yet (a rank whose micro-batch "
-            "holds no image would skip the vision tower's collectives); set --train.world-size 1"
-        )
     if cfg.rollout.mode != "generate":
         raise RunSetupError(
             f"{where}: rollout.mode {cfg.rollout.mode} does not run vision-language models yet (its renderer does not "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,7 +42,63 @@ def parallelize(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if mesh.size() > 1:
+        keep_vision_tower_in_step(model)
     return model
+
+
+def keep_vision_tower_in_step(model: nn.Module) -> bool:
+    """Make every forward of a sharded Qwen-VL model run its vision tower, on a dummy image when no row has one.
+
+    FSDP2 all-gathers each vision block as it runs and reduce-scatters the tower's gradients after backward: a rank
+    whose micro-batch has no image (text rows of a mixture) would skip those collectives while the other ranks wait
+    in them. When the tower has not run by the time the language model is called, this runs it on one smallest
+    blank image (grid 1 x merge x merge) and adds ``0 * sum(outputs)`` to ``inputs_embeds``: the forward's values
+    are unchanged (x + 0 = x) and every tower parameter gets a zero gradient, as verl does for Qwen2-VL.
+
+    Args:
+        model: an HF Qwen-VL model (``model.model.visual`` and ``model.model.language_model``), already sharded.
+    Returns: True when the hooks were installed, False for a model without that layout (text models).
+    """
+    inner = getattr(model, "model", model)
+    tower, language = getattr(inner, "visual", None), getattr(inner, "language_model", None)
+    proj = getattr(getattr(tower, "patch_embed", None), "proj", None)
+    if tower is None or language is None or proj is None:
+        return False
+    merge = int(getattr(tower, "spatial_merge_size", 1))
+    patch_dim = math.prod(proj.weight.shape[1:])  # channels x temporal patch x patch x patch (global shape)
+    ran = [False]
+
+    def reset(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ran[0] = False
+
+    def mark(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        ran[0] = True
+
+    def fill(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        embeds = kwargs.get("inputs_embeds")
+        if ran[0] or embeds is None:
+            return None
+        pixels = torch.zeros(merge * merge, patch_dim, device=embeds.device)
+        grid = torch.tensor([[1, merge, merge]], device=embeds.device)
+        total = sum(t.float().sum() for t in _float_tensors(tower(pixels, grid_thw=grid, return_dict=True)))
+        return args, {**kwargs, "inputs_embeds": embeds + 0.0 * total.to(embeds.dtype)}
+
+    model.register_forward_pre_hook(reset, with_kwargs=True)
+    tower.register_forward_hook(mark, with_kwargs=True)
+    language.register_forward_pre_hook(fill, with_kwargs=True)
+    return True
+
+
+def _float_tensors(output: object) -> list[torch.Tensor]:
+    """Every floating-point tensor in a module's output (a tensor, a ModelOutput / dict, or nested lists)."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() else []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _float_tensors(item)]
+    return []
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
