@@ -150,7 +150,8 @@ def test_a_bad_reward_is_named():
         ({"train_steps": 4}, r"algorithm.train_steps \(4\) must be at most algorithm.num_steps \(3\)"),
         ({"group_size": 1}, "group_size"),
         ({"guidance_scale": 0.5}, "guidance_scale"),
-        ({"lora": True}, "Extra inputs are not permitted"),
+        ({"lora": {"sync": "adapter"}}, "lora.sync"),
+        ({"lora": {"rank": 0}}, "lora.rank"),
     ],
 )
 def test_the_config_refuses_what_cannot_run(fields, message):

@@ -109,7 +109,8 @@ def test_ctrl_c_finishes_the_step_saves_and_the_run_continues(tmp_path, monkeypa
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--algorithm.lora", "true"], "algorithm.lora"),
+        (["--algorithm.lora.target-modules", "['q_proj']"], r"algorithm.lora.target_modules \['q_proj'\] match no"),
+        (["--algorithm.lora.sync", "adapter"], "algorithm.lora.sync"),
         (["--algorithm.train-steps", "9"], r"algorithm.train_steps \(9\) must be at most algorithm.num_steps \(3\)"),
         (["--reward.path", "no_colon"], "reward.path is 'no_colon'; expected module:attr"),
         (["--model.path", "/nonexistent"], "model.path '/nonexistent' is neither 'tiny-flow', 'tiny-sd3', a diffusers"),
@@ -171,6 +172,37 @@ def test_a_resume_keeps_its_model(tmp_path, capsys):
     assert (tmp_path / "k" / "config.yaml").read_text() == before  # nothing rewritten
     assert main([*args, "--model.seed", "3"]) == 2
     assert "model.seed is 3" in capsys.readouterr().err
+
+
+def test_a_lora_run_resumes_exactly_and_saves_the_merged_transformer(tmp_path, capsys):
+    """--algorithm.lora: the checkpoint holds the adapters alone (optimizer.pt) and the merged transformer (model/,
+    a plain flow model), a resume loads the adapters onto the run's model and continues exactly, and a resume with
+    other adapters is one line."""
+    from miles.diffusion.models import load_flow_model, tiny_flow_model
+
+    lora = ["--algorithm.lora.rank", "4", "--eval.interval", "0"]
+    assert train(tmp_path, "straight", *lora, "--loop.num-steps", "2") == 0
+    assert train(tmp_path, "split", *lora, "--loop.num-steps", "1") == 0
+    resume = ["train", "--run.dir", str(tmp_path), "--run.name", "split", "--resume"]
+    assert main([*resume, "--loop.num-steps", "2"]) == 0
+    a, b = ([r for r in rows(tmp_path / name) if "loss" in r] for name in ("straight", "split"))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    assert all(x[k] == y[k] for x, y in zip(a, b) for k in ("reward/mean", "loss", "grad_norm", "weight_version"))
+    step_2 = tmp_path / "split" / "checkpoints" / "step_2"
+    merged = transformer_weights(step_2)
+    assert merged.keys() == transformer_weights(tmp_path / "straight" / "checkpoints" / "step_2").keys()
+    assert all(torch.equal(merged[k], v) for k, v in transformer_weights(tmp_path / "straight" / "checkpoints" /
+                                                                           "step_2").items())  # fmt: skip
+    start = tiny_flow_model(seed=0).transformer.state_dict()
+    assert sorted(merged) == sorted(start)  # plain names: no base_layer / lora_ tensors
+    assert any(not torch.equal(merged[k], start[k]) for k in start if ".attn.to_q." in k)
+    loaded = load_flow_model(step_2 / "model").transformer.state_dict()
+    assert all(torch.equal(loaded[k], merged[k]) for k in merged)
+    adapters = torch.load(step_2 / "optimizer.pt", weights_only=True)["adapters"]
+    assert adapters and all(".lora_" in name for name in adapters)
+    assert main([*resume, "--loop.num-steps", "3", "--algorithm.lora.rank", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "but the checkpoint" in err[0] and "keeps its adapters' rank" in err[0], err
 
 
 def test_a_reward_function_replaces_the_named_reward_and_its_signature_is_checked(tmp_path, capsys):

@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
+from miles.core.config import ON_OFF
+from miles.train.config import LoraConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Flow-GRPO's SD3.5 LoRA targets: every projection of the joint attention (image and text streams)
+SD3_ATTENTION_LINEARS = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+)  # fmt: skip
+
+
+class FlowLoraConfig(LoraConfig):
+    """LoRA adapters (peft) on the flow transformer, as Flow-GRPO trains SD3.5 (r 32, alpha 64, the joint attention's
+    projections): only the adapters train; the rollout copy gets the merged weights ``W + (alpha / r) B A``."""
+
+    rank: int = Field(32, ge=1, description="r, the adapters' rank (Flow-GRPO's SD3.5: 32).")
+    alpha: float = Field(64.0, gt=0.0, description="lora_alpha: the update is scaled by alpha / r (Flow-GRPO: 64).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(SD3_ATTENTION_LINEARS),
+        min_length=1,
+        description="Module names (path suffixes) of the Linear layers that get adapters; the default is every "
+        "projection of SD3's joint attention, Flow-GRPO's choice.",
+    )
+    sync: Literal["merged"] = Field(
+        "merged", description="merged only: the rollout copy is a plain transformer and gets W + scale * B A."
+    )
 
 
 class FlowGRPOConfig(BaseModel):
@@ -62,6 +87,13 @@ class FlowGRPOConfig(BaseModel):
     skip_nonfinite_steps: bool = Field(False, description="Skip an optimizer step with a non-finite loss or grad "
                                        "norm instead of stopping.")  # fmt: skip
     seed: int = Field(0, description="Seeds the noise of every rollout and the step subsets (exact resume).")
+    lora: Annotated[FlowLoraConfig | None, ON_OFF] = Field(
+        None,
+        description="LoRA adapters on the transformer: the optimizer holds only the adapters, the KL reference is the "
+        "transformer with its adapters off (no second copy), each push sends the adapted layers' merged weights, a "
+        "checkpoint's model/ holds the merged transformer. null (the default) = full fine-tuning; --algorithm.lora on "
+        "(or any --algorithm.lora.KEY) turns it on.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> FlowGRPOConfig:

@@ -12,6 +12,10 @@ One step (Flow-GRPO, arXiv:2505.05470, Algorithm 1):
    the run's starting model) and one guarded optimizer step each;
 4. push the transformer's weights to the rollout copy (version v + 1).
 
+With ``algorithm.lora`` only LoRA adapters on the transformer's attention train (Flow-GRPO's SD3.5 setting): the KL
+reference is the transformer with its adapters off, and each push sends the adapted layers' merged weights
+``W + (alpha / r) B A`` (``miles.train.fsdp2.lora``), the rest of the rollout copy staying as loaded.
+
 With ``loss: diffusion_nft`` step 3 is DiffusionNFT's instead (``miles.diffusion.nft``): flow matching on the
 sampled clean images at the trained steps' times, split by reward between implicit positive and negative policies
 around the rollout copy (the sampling policy); no log-probs are used.
@@ -21,11 +25,12 @@ The trainer holds one process; FSDP2 across ranks and an SGLang-diffusion engine
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +44,7 @@ from miles.diffusion.nft import diffusion_nft_loss, forward_noised, optimality
 from miles.diffusion.rewards import to_uint8
 from miles.diffusion.sampler import Conditioning, Trajectories, sample, sample_ode, step_transition, velocity
 from miles.sync import InProcessTransport, WeightReceiver, WeightSender
+from miles.train.fsdp2.lora import adapter_dropout, adapters_disabled, apply_lora, merged_weights
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from torch import Tensor
 
@@ -83,7 +89,8 @@ class FlowGRPOTrainer:
         bucket_bytes: ``miles.sync`` bucket size of the weight push.
 
     Attributes:
-        policy: the trained transformer; rollout_transformer: the sampling copy, loaded only through ``miles.sync``.
+        policy: the trained transformer (with ``config.lora``: its adapters injected, peft); rollout_transformer: the
+            sampling copy, a plain transformer loaded only through ``miles.sync``.
         receiver: the copy's ``WeightReceiver`` (``weight_version`` = the version it samples with).
         steps_done: completed steps.
     """
@@ -94,8 +101,10 @@ class FlowGRPOTrainer:
         self.model, self.config, self.reward = model, config, reward
         self.policy = model.transformer.float().train()
         self.rollout_transformer = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        self.reference = None  # the run's starting weights, for flow_grpo's KL
-        if config.kl_coef > 0:
+        self.reference = None  # the run's starting weights, for flow_grpo's KL (LoRA: the policy, adapters off)
+        if config.lora is not None:
+            apply_lora(self.policy, config.lora, key="algorithm.lora")
+        elif config.kl_coef > 0:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
         self._rollout_tensors = dict(self.rollout_transformer.state_dict(keep_vars=True))
         self.receiver = WeightReceiver(apply_fn=self._load_rollout)
@@ -105,17 +114,34 @@ class FlowGRPOTrainer:
         )
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps=config.warmup_steps)
         self.steps_done = 0
-        self.publish()
+        self.publish(everything=True)
 
     def _load_rollout(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in named_tensors:
                 self._rollout_tensors[name].copy_(tensor)
 
-    def publish(self) -> int:
-        """Push the transformer's weights to the rollout copy. Returns: the new weight version."""
+    def publish(self, *, version: int | None = None, everything: bool = False) -> int:
+        """Push the transformer's weights to the rollout copy: all of them (full fine-tuning; ``everything``), or
+        with LoRA the adapted layers' merged weights (the only ones that change; the rest of the copy is as loaded).
+
+        Args:
+            version: the weight version to publish as (default: the next one).
+            everything: send every tensor (the first push, a resume).
+        Returns: the new weight version.
+        """
+        named = self.policy.state_dict().items()
+        if self.config.lora is not None:
+            if not everything:
+                named = [(name, t) for name, t in named if ".base_layer." in name or ".lora_" in name]
+            named = merged_weights(self.policy, named)
         with torch.no_grad():
-            return self.sender.push(self.policy.state_dict().items())
+            return self.sender.push(named, version=version)
+
+    def trained_transformer(self) -> torch.nn.Module:
+        """A plain transformer holding the trained weights (what a checkpoint's ``model/`` saves): the policy, or with
+        LoRA the rollout copy, which every ``train`` ends by loading with the merged weights."""
+        return self.policy if self.config.lora is None else self.rollout_transformer
 
     def _conditions(self, prompts: Sequence[str]) -> tuple[Conditioning, Conditioning | None]:
         cond = self.model.encode(prompts)
@@ -175,44 +201,60 @@ class FlowGRPOTrainer:
         diffusion_nft: ``nft/positive_mse``, ``nft/negative_mse``.
         """
         cfg = self.config
-        batch = len(rollout.prompts)
-        per_update = batch // cfg.updates_per_rollout
         cond, uncond = self._conditions(rollout.prompts)
-        traj = rollout.trajectories
         sums: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0}
-        log_prob_diff, applied = 0.0, 0
-        for update in range(cfg.updates_per_rollout):
-            steps = self._train_steps(step, update)
-            loss_total = 0.0
-            for start in range(update * per_update, (update + 1) * per_update, cfg.micro_batch_size):
-                rows = slice(start, min(start + cfg.micro_batch_size, (update + 1) * per_update))
-                mb_traj = Trajectories(traj.latents[rows], traj.sigmas, traj.log_probs[rows])
-                mb_cond = cond.rows(rows)
-                mb_uncond = uncond.rows(rows) if uncond is not None else None
-                weight = (rows.stop - rows.start) / per_update
-                for i in steps:  # one backward per denoising step: activations of one step at a time
-                    loss, metrics = self._step_loss(
-                        rollout, mb_traj, mb_cond, mb_uncond, rows, i, seed=(step, update, rows.start)
-                    )
-                    diff = metrics.pop("logprob_diff", None)
-                    if update == 0 and diff is not None:
-                        log_prob_diff = max(log_prob_diff, float(diff))
-                    scale = weight / len(steps)
-                    (loss * scale).backward()
-                    loss_total += float(loss.detach()) * scale
-                    for key, value in metrics.items():
-                        sums[key] = sums.get(key, 0.0) + float(value) * scale / cfg.updates_per_rollout
-            grad_norm, ok = guarded_step(
-                self.policy, self.optimizer, self.scheduler, loss=loss_total, grad_clip=cfg.grad_clip,
-                skip_nonfinite=cfg.skip_nonfinite_steps, step=step, what="transformer", lr_key="algorithm.lr",
-            )  # fmt: skip
-            applied += ok
-            sums["loss"] += loss_total / cfg.updates_per_rollout
-            sums["grad_norm"] += grad_norm / cfg.updates_per_rollout
+        applied = 0
+        dropout = adapter_dropout(self.policy) if cfg.lora is not None else contextlib.nullcontext()
+        with dropout:
+            for update in range(cfg.updates_per_rollout):
+                applied += self._update(rollout, cond, uncond, step=step, update=update, sums=sums)
         version = self.publish()
         if cfg.loss == "flow_grpo":
-            sums["train_rollout_logprob_max_abs_diff"] = log_prob_diff
+            sums["train_rollout_logprob_max_abs_diff"] = sums.pop("logprob_diff")
         return {**sums, "optimizer_steps": float(applied), "weight_version": float(version)}
+
+    def _update(
+        self,
+        rollout: Rollout,
+        cond: Conditioning,
+        uncond: Conditioning | None,
+        *,
+        step: int,
+        update: int,
+        sums: dict[str, float],
+    ) -> int:
+        """One optimizer step on mini-batch ``update`` of the rollout; adds its metrics into ``sums`` (the
+        largest log-prob gap of the first one into ``sums["logprob_diff"]``). Returns: 1 if the step applied."""
+        cfg = self.config
+        per_update = len(rollout.prompts) // cfg.updates_per_rollout
+        traj = rollout.trajectories
+        steps = self._train_steps(step, update)
+        loss_total = 0.0
+        for start in range(update * per_update, (update + 1) * per_update, cfg.micro_batch_size):
+            rows = slice(start, min(start + cfg.micro_batch_size, (update + 1) * per_update))
+            mb_traj = Trajectories(traj.latents[rows], traj.sigmas, traj.log_probs[rows])
+            mb_cond = cond.rows(rows)
+            mb_uncond = uncond.rows(rows) if uncond is not None else None
+            weight = (rows.stop - rows.start) / per_update
+            for i in steps:  # one backward per denoising step: activations of one step at a time
+                loss, metrics = self._step_loss(
+                    rollout, mb_traj, mb_cond, mb_uncond, rows, i, seed=(step, update, rows.start)
+                )
+                diff = metrics.pop("logprob_diff", None)
+                if diff is not None and update == 0:
+                    sums["logprob_diff"] = max(sums.get("logprob_diff", 0.0), float(diff))
+                scale = weight / len(steps)
+                (loss * scale).backward()
+                loss_total += float(loss.detach()) * scale
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value) * scale / cfg.updates_per_rollout
+        grad_norm, ok = guarded_step(
+            self.policy, self.optimizer, self.scheduler, loss=loss_total, grad_clip=cfg.grad_clip,
+            skip_nonfinite=cfg.skip_nonfinite_steps, step=step, what="transformer", lr_key="algorithm.lr",
+        )  # fmt: skip
+        sums["loss"] += loss_total / cfg.updates_per_rollout
+        sums["grad_norm"] += grad_norm / cfg.updates_per_rollout
+        return int(ok)
 
     def _step_loss(
         self,
@@ -244,9 +286,9 @@ class FlowGRPOTrainer:
         current = step_transition(self.policy, traj, cond, i, **kwargs)
         old = traj.log_probs[:, [i]]
         kl = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference = step_transition(self.reference, traj, cond, i, **kwargs)
+        if cfg.kl_coef > 0:
+            with torch.no_grad(), self._reference() as reference_model:
+                reference = step_transition(reference_model, traj, cond, i, **kwargs)
             kl = gaussian_kl(current.mean, reference.mean, current.scale)[:, None]
         loss, metrics = flow_grpo_loss(
             current.log_prob[:, None], old, advantages, torch.ones_like(old, dtype=torch.bool),
@@ -255,6 +297,16 @@ class FlowGRPOTrainer:
         )  # fmt: skip
         metrics["logprob_diff"] = (current.log_prob.detach()[:, None] - old).abs().max()
         return loss, metrics
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The KL reference, the run's starting transformer: a frozen copy, or with LoRA the policy with its
+        adapters off (the base weights never train)."""
+        if self.reference is not None:
+            yield self.reference
+            return
+        with adapters_disabled(self.policy):
+            yield self.policy
 
     def step(self, prompts: Sequence[str]) -> dict[str, float]:
         """One Flow-GRPO step (module docstring) on ``prompts``.
@@ -298,11 +350,14 @@ class FlowGRPOTrainer:
         return (math.fsum(rewards) / len(rewards), images)
 
     def state_dict(self) -> dict[str, Any]:
-        """What an exact resume needs: the transformer, the optimizer, the LR schedule, the step count, the rollout
-        copy's weight version."""
+        """What an exact resume needs: the transformer (with LoRA its adapters only: the base is the run's model as
+        loaded), the optimizer, the LR schedule, the step count, the rollout copy's weight version."""
+        transformer = self.policy.state_dict()
+        if self.config.lora is not None:
+            transformer = {name: t for name, t in transformer.items() if ".lora_" in name}
         return {
             "weight_version": self.receiver.weight_version,
-            "transformer": self.policy.state_dict(),
+            "transformer": transformer,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "steps_done": self.steps_done,
@@ -317,7 +372,17 @@ class FlowGRPOTrainer:
         one is logged).
         """
         cfg = self.config
-        self.policy.load_state_dict(state["transformer"])
+        if cfg.lora is None:
+            self.policy.load_state_dict(state["transformer"])
+        else:  # the adapters onto the base as loaded, every one of them
+            held = {name for name in self.policy.state_dict() if ".lora_" in name}
+            if set(state["transformer"]) != held:
+                missing, extra = sorted(held - set(state["transformer"])), sorted(set(state["transformer"]) - held)
+                raise ValueError(
+                    f"the saved LoRA adapters do not fit algorithm.lora: missing {missing[:3]}, unexpected "
+                    f"{extra[:3]} (a checkpoint of another algorithm.lora.target_modules?)"
+                )
+            self.policy.load_state_dict(state["transformer"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
         saved = state["optimizer"]["param_groups"][0]
         for key, now in (("lr", cfg.lr), ("weight_decay", cfg.weight_decay)):
@@ -329,6 +394,4 @@ class FlowGRPOTrainer:
         optimizer_steps = int(state["scheduler"]["last_epoch"])  # the schedule's position: steps applied
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps=cfg.warmup_steps, steps_done=optimizer_steps)
         self.steps_done = int(state["steps_done"])
-        with torch.no_grad():
-            version = max(int(state["weight_version"]), self.sender.version + 1)
-            self.sender.push(self.policy.state_dict().items(), version=version)
+        self.publish(version=max(int(state["weight_version"]), self.sender.version + 1), everything=True)

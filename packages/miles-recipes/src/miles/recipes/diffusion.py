@@ -15,6 +15,7 @@ random ``tiny-sd3`` runs that path here), or a flow model a run saved.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -170,7 +171,9 @@ class _PromptCycle:
 
 class _CheckpointedTrainer:
     """The trainer as ``save_run_checkpoint`` / ``restore_run_checkpoint`` see a backend: ``model/`` (the flow model
-    directory, loadable by ``load_flow_model``), ``optimizer.pt`` (tensors and numbers: weights_only loads)."""
+    directory, loadable by ``load_flow_model``; with LoRA the merged transformer), ``optimizer.pt`` (tensors and
+    numbers: weights_only loads; with LoRA also the adapters, ``adapters``, which a resume loads onto the run's model
+    as loaded)."""
 
     def __init__(self, trainer: FlowGRPOTrainer, model: FlowModel) -> None:
         self.trainer, self.model = trainer, model
@@ -179,15 +182,20 @@ class _CheckpointedTrainer:
         for name, tensor in self.trainer.policy.state_dict().items():
             if not bool(torch.isfinite(tensor).all()):
                 raise FloatingPointError(f"the transformer's {name} is not finite: not saving it")
-        save_flow_model(self.model, Path(directory) / "model")
+        save_flow_model(dataclasses.replace(self.model, transformer=self.trainer.trained_transformer()),
+                        Path(directory) / "model")  # fmt: skip
         state = self.trainer.state_dict()
-        del state["transformer"]
+        transformer = state.pop("transformer")
+        if self.trainer.config.lora is not None:
+            state["adapters"] = transformer
         torch.save(state, Path(directory) / "optimizer.pt")
 
     def load(self, directory: Path) -> None:
+        state = torch.load(Path(directory) / "optimizer.pt", weights_only=True)
+        if self.trainer.config.lora is not None:
+            self.trainer.load_state_dict({**state, "transformer": state.pop("adapters")})
+            return
         loaded = load_flow_model(Path(directory) / "model")
-        optimizer_path = Path(directory) / "optimizer.pt"
-        state = torch.load(optimizer_path, weights_only=True)
         self.trainer.load_state_dict({**state, "transformer": loaded.transformer.state_dict()})
 
 
@@ -322,7 +330,19 @@ def run_diffusion(
         torch.set_num_threads(cfg.run.num_threads)
     with _run_log(run_dir) as start_log:
         if resume_from is not None:  # the checkpoint's transformer loads into this model: it must be the same one
-            recorded = yaml.safe_load((Path(resume_from) / "config.yaml").read_text()).get("model", {})
+            saved_cfg = yaml.safe_load((Path(resume_from) / "config.yaml").read_text())
+            shape = ("rank", "alpha", "use_rslora", "target_modules")  # what the saved adapters compute
+            lora = cfg.algorithm.lora.model_dump(mode="json") if cfg.algorithm.lora is not None else None
+            saved_lora = saved_cfg.get("algorithm", {}).get("lora")
+            if (lora is None) != (saved_lora is None) or (
+                lora is not None and any(lora[k] != saved_lora.get(k) for k in shape)
+            ):
+                raise RunSetupError(
+                    f"algorithm.lora is {lora!r} but the checkpoint {resume_from} trained with {saved_lora!r}: a "
+                    "resumed run keeps its adapters' rank, alpha and targets (or full fine-tuning); to go on "
+                    f"otherwise, start a new run with --model.path {Path(resume_from) / 'model'}"
+                )
+            recorded = saved_cfg.get("model", {})
             for key in ("path", "resolution", "seed", "max_sequence_length"):
                 if recorded.get(key) != getattr(cfg.model, key):
                     raise RunSetupError(
@@ -340,7 +360,10 @@ def run_diffusion(
             "loaded %s on %s: transformer %.2f M parameters, latents %s",
             cfg.model.path, device, sum(p.numel() for p in model.transformer.parameters()) / 1e6, model.latent_shape,
         )  # fmt: skip
-        trainer = FlowGRPOTrainer(model, cfg.algorithm, reward)
+        try:
+            trainer = FlowGRPOTrainer(model, cfg.algorithm, reward)
+        except ValueError as err:  # algorithm.lora.target_modules that match nothing
+            raise RunSetupError(" ".join(str(err).split())) from err
         prompts = _PromptCycle(list(cfg.data.prompts))
         eval_prompts = list(cfg.eval.prompts or cfg.data.prompts)
         checkpointed = _CheckpointedTrainer(trainer, model)

@@ -25,11 +25,14 @@ from torch import Tensor, nn
 _BASE = ".base_layer."
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
+def apply_lora(model: nn.Module, cfg: LoraConfig, *, key: str = "train.lora") -> None:
     """Inject ``cfg``'s adapters into ``model`` in place (A seeded by ``cfg.init_seed``, B zeros) and make them its
     only trainable parameters.
 
-    Raises: ValueError (one line naming ``train.lora.target_modules``) when no module of the model matches.
+    Args:
+        key: the config field ``cfg`` came from, for the messages (``algorithm.lora`` in diffusion runs).
+    Raises: ValueError (one line naming ``<key>.target_modules``) when no module of the model matches, or a matched
+        one is not an ``nn.Linear`` or shares its weight with the input embedding.
     """
     from peft import inject_adapter_in_model
 
@@ -43,7 +46,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
     except ValueError as err:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(
-            f"train.lora.target_modules {list(cfg.target_modules)} match no Linear layer of this model; its Linear "
+            f"{key}.target_modules {list(cfg.target_modules)} match no Linear layer of this model; its Linear "
             f"layers are named {names} ({err})"
         ) from None
     from peft.tuners.lora import Linear as LoraLinear
@@ -53,12 +56,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
         base = layer.get_base_layer()
         if not isinstance(layer, LoraLinear) or layer.fan_in_fan_out:
             raise ValueError(
-                f"train.lora.target_modules: {name} is a {type(base).__name__}; adapters go on nn.Linear layers "
+                f"{key}.target_modules: {name} is a {type(base).__name__}; adapters go on nn.Linear layers "
                 "only (their merge is W + scale * B A)"
             )
         if tied and base.weight is model.get_input_embeddings().weight:
             raise ValueError(
-                f"train.lora.target_modules: {name} shares its weight with the input embedding "
+                f"{key}.target_modules: {name} shares its weight with the input embedding "
                 "(tie_word_embeddings), so its merged weight could not be sent apart from it; leave it out"
             )
         layer.lora_dropout.eval()  # dropout only inside ``adapter_dropout`` (the training forward)
