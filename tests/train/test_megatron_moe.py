@@ -133,7 +133,8 @@ def test_with_perturbed_routers_megatron_replays_as_fsdp2_does_and_closes_the_ga
     f_grads, m_grads = fsdp2.full_gradients(), megatron.full_gradients()
     assert any(name.endswith("mlp.gate.weight") and grad.abs().sum() > 0 for name, grad in m_grads.items())
     for name, grad in f_grads.items():
-        torch.testing.assert_close(m_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+        # fp32 noise: on an AVX-512 CPU one embedding element of 1024 differs by 1.3e-6 (largest gradient 0.78)
+        torch.testing.assert_close(m_grads[name], grad, atol=5e-6, rtol=1e-4, msg=name)
 
 
 def test_routing_that_does_not_fit_the_model_is_refused_naming_the_shape(moe_dir, rollout):
