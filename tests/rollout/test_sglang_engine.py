@@ -32,6 +32,11 @@ def test_launch_command_builds_sglangs_argv_and_strips_the_sglang_prefix_of_extr
     assert launch_command("m", extra_args=["--sglang-dp-size=2"])[-1] == "--dp-size=2"
     with pytest.raises(ValueError, match="extra_args sets --port; pass model_path, host and port as arguments"):
         launch_command("m", extra_args=["--sglang-port", "1"])
+    # engine.dtype reaches SGLang under its own names; setting it twice is refused
+    assert launch_command("m", dtype="bf16", extra_args=["--tp=2"])[-3:] == ["--dtype", "bfloat16", "--tp=2"]
+    assert launch_command("m", dtype="fp32")[-2:] == ["--dtype", "float32"]
+    with pytest.raises(ValueError, match=r"engine.extra_args sets --dtype; set engine.dtype \(fp32, bf16, fp16\)"):
+        launch_command("m", dtype="fp32", extra_args=["--sglang-dtype=half"])
 
 
 def test_the_payload_is_token_in_with_sglangs_top_k_and_the_seed_only_when_set():

@@ -629,7 +629,7 @@ def _server_command(cfg: SGLangEngineConfig, model_path: str | Path, port: int |
     extra = list(cfg.extra_args)
     if cfg.routed_experts and "--enable-return-routed-experts" not in extra:
         extra.insert(0, "--enable-return-routed-experts")
-    command = launch_command(model_path, host=cfg.host, port=port, python=cfg.python, extra_args=extra)
+    command = launch_command(model_path, host=cfg.host, port=port, python=cfg.python, dtype=cfg.dtype, extra_args=extra)
     return command, f"SGLang server {i}"
 
 

@@ -42,6 +42,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
+SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # engine.dtype -> SGLang's --dtype
 MILES_TO_SGLANG_PAUSE = {"abort": "abort", "retract": "retract", "keep": "in_place"}
 REASON_WAIT_S = 10.0  # after a broken broadcast, how long to wait for the failed server's own message
 # sglang-router 0.3.2's error codes for "no worker could take this request" (500: its own retries on the workers
@@ -56,14 +57,18 @@ def launch_command(
     host: str = "127.0.0.1",
     port: int = 30000,
     python: str | None = None,
+    dtype: str | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The argv of ``python -m sglang.launch_server --model-path ... --host ... --port ...`` plus ``extra_args``.
+    """The argv of ``python -m sglang.launch_server --model-path ... --host ... --port ... [--dtype ...]`` plus
+    ``extra_args``.
 
-    ``python`` defaults to this interpreter. Extra arguments may use slime's ``--sglang-`` prefix
-    (``--sglang-mem-fraction-static 0.8`` becomes ``--mem-fraction-static 0.8``, ``--sglang-x=1`` becomes
-    ``--x=1``); other tokens pass through unchanged.
-    Raises: ValueError if ``extra_args`` sets the model path, host or port (they are arguments here).
+    ``python`` defaults to this interpreter. ``dtype`` is Miles' name ("fp32", "bf16", "fp16"; ``engine.dtype``),
+    sent as SGLang's (float32, bfloat16, float16); None leaves SGLang's default (the checkpoint's dtype). Extra
+    arguments may use slime's ``--sglang-`` prefix (``--sglang-mem-fraction-static 0.8`` becomes
+    ``--mem-fraction-static 0.8``, ``--sglang-x=1`` becomes ``--x=1``); other tokens pass through unchanged.
+    Raises: ValueError if ``extra_args`` sets the model path, host, port or dtype (they are arguments here), or for
+        an unknown ``dtype``.
     """
     extra: list[str] = []
     for arg in map(str, extra_args):
@@ -72,8 +77,14 @@ def launch_command(
         flag = arg.split("=", 1)[0]
         if flag in ("--model-path", "--model", "--host", "--port"):
             raise ValueError(f"launch_command: extra_args sets {flag}; pass model_path, host and port as arguments")
+        if flag == "--dtype":
+            raise ValueError("engine.extra_args sets --dtype; set engine.dtype (fp32, bf16, fp16) instead")
         extra.append(arg)
     server = ["-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port)]
+    if dtype is not None:
+        if dtype not in SGLANG_DTYPES:
+            raise ValueError(f"engine.dtype must be one of {sorted(SGLANG_DTYPES)} here, got {dtype!r}")
+        server += ["--dtype", SGLANG_DTYPES[dtype]]
     return [python or sys.executable, *server, *extra]
 
 
