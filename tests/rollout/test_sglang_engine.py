@@ -37,6 +37,11 @@ def test_launch_command_builds_sglangs_argv_and_strips_the_sglang_prefix_of_extr
     assert launch_command("m", dtype="fp32")[-2:] == ["--dtype", "float32"]
     with pytest.raises(ValueError, match=r"engine.extra_args sets --dtype; set engine.dtype \(fp32, bf16, fp16\)"):
         launch_command("m", dtype="fp32", extra_args=["--sglang-dtype=half"])
+    from miles.rollout.config import SGLangEngineConfig
+
+    for args in (["--sglang-dtype", "half"], ["--dtype=float16"]):  # refused in the config, before anything starts
+        with pytest.raises(ValueError, match=r"engine.extra_args sets --dtype; set engine.dtype"):
+            SGLangEngineConfig(extra_args=args)
 
 
 def test_the_payload_is_token_in_with_sglangs_top_k_and_the_seed_only_when_set():

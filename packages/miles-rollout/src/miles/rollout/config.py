@@ -482,6 +482,16 @@ class SGLangEngineConfig(_ServerEngineConfig):
         "decode", description="miles serve: log-probs from the decode steps (as SGLang) or a prefill rescoring."
     )
 
+    @model_validator(mode="after")
+    def _dtype_once(self) -> SGLangEngineConfig:
+        flags = {arg.split("=", 1)[0] for arg in self.extra_args}
+        if flags & {"--dtype", "--sglang-dtype"}:
+            raise ValueError(
+                "engine.extra_args sets --dtype; set engine.dtype (fp32, bf16, fp16) instead: Miles passes it to the "
+                "servers and compares their log-probs with its tolerance"
+            )
+        return self
+
 
 def check_engine_health_settings(engine: Any, *, execution_mode: str) -> None:
     """Refuse a health setting the execution mode does not read (the root config calls it).
