@@ -123,7 +123,7 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_over_samples_the_missing_
 
 
 @pytest.mark.parametrize("bad_token", [pytest.param(7, id="reward_raises"), pytest.param(8, id="reward_is_none")])
-def test_a_failing_reward_in_one_group_leaves_the_other_group_and_the_rest_of_its_own_trained(bad_token):
+def test_a_failing_reward_in_one_group_leaves_the_other_group_and_the_rest_of_its_own_trained(bad_token, caplog):
     # Group 1: rewards [x, 1, 0] where x raises (or is None); group 2: [0, 1, 0, 1].
     def reward(sample):
         if sample.response_tokens[0] == 7:
@@ -135,12 +135,21 @@ def test_a_failing_reward_in_one_group_leaves_the_other_group_and_the_rest_of_it
     group1 = [([bad_token], DONE), ([1], DONE), ([0], DONE)]
     group2 = [([0], DONE), ([1], DONE), ([0], DONE), ([1], DONE)]
     c = _components(ScriptedRollout([group1, group2]), reward)
-    metrics = run_step(
-        c,
-        step=0,
-        rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=3),
-        algorithm=AlgorithmConfig(advantage=AdvantageConfig(eps=1e-12)),
+    with caplog.at_level(logging.WARNING, logger="miles.core.loop"):
+        metrics = run_step(
+            c,
+            step=0,
+            rollout=RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=3),
+            algorithm=AlgorithmConfig(advantage=AdvantageConfig(eps=1e-12)),
+        )
+    # the reason is logged, not only counted
+    (line,) = [r.getMessage() for r in caplog.records if "samples failed" in r.getMessage()]
+    reason = (
+        "reward function raised KeyError: 'no answer'"
+        if bad_token == 7
+        else "reward function returned NoneType None, expected a finite float"
     )
+    assert line == f"step 1: 1 of 7 samples failed (not trained); first reasons: {reason}"
     (batch,) = c.backend.batches
     advantages = batch.advantages[:, 0].tolist()
     # Group 1 over the two valid samples [1, 0]: +-0.7071; the failed sample gets 0 and no loss mask.

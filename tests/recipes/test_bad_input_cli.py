@@ -361,3 +361,29 @@ def test_a_typo_of_a_registered_model_or_a_recipe_name_suggests_the_near_name():
         load_recipe("smollm2_grpo_arithmetc")
     with pytest.raises(ValueError, match=r"nor a YAML file$"):
         load_recipe("llama4_ppo")  # nothing near: no suggestion
+
+
+def test_a_step_where_generation_failed_every_sample_does_not_blame_the_reward():
+    """All samples failed in the engine (no failure kind of the reward's): the line names the reasons, not the reward
+    function; a step where the reward failed them names it."""
+    from miles.core.loop import AllSamplesFailed
+    from miles.core.sample import Sample, SampleStatus
+    from miles.recipes.run import all_failed_message
+    from miles.rollout.config import RewardConfig
+
+    def failed(reason, kind=None):
+        sample = Sample(index=0, group_index=0, prompt="p", status=SampleStatus.FAILED, metadata={"failure": reason})
+        if kind:
+            sample.metadata["failure_kind"] = kind
+        return sample
+
+    reward = RewardConfig(type="custom", path="my_rewards:score")
+    engine = AllSamplesFailed(3, [failed("engine error: connection refused")] * 4)
+    assert all_failed_message(engine, reward) == (
+        "step 3: all 4 samples failed; first reasons: engine error: connection refused. Fix what the reasons name"
+    )
+    scored = AllSamplesFailed(1, [failed("reward function raised KeyError: 'x'", "reward_error")] * 2)
+    assert all_failed_message(scored, reward) == (
+        "step 1: all 2 samples failed (reward: reward.path 'my_rewards:score'); first reasons: reward function raised "
+        "KeyError: 'x'. Fix the reward function (call it on one sample in Python to see its error)"
+    )

@@ -382,7 +382,20 @@ def rollout_stage(
         if samples and all(s.status == SampleStatus.ABORTED for s in samples):  # not a failure: say what it is
             raise AllSamplesAborted(step + 1, len(samples), rollout.max_resubmits)
         raise AllSamplesFailed(step + 1, samples)
+    if num_failed:  # trained without them: the metric counts them, the log says why
+        reasons = list(dict.fromkeys(_reason(s) for s in samples if s.status == SampleStatus.FAILED))
+        more = f"; and {len(reasons) - 3} more" if len(reasons) > 3 else ""
+        logger.warning(
+            "step %d: %d of %d samples failed (not trained); first reasons: %s%s",
+            step + 1, num_failed, len(samples), "; ".join(reasons[:3]), more,
+        )  # fmt: skip
     return RolloutResult(samples, num_failed, metrics, taken, time.perf_counter() - t0)
+
+
+def _reason(sample: Sample, limit: int = 200) -> str:
+    """A failed sample's reason (``metadata["failure"]``) on one line, at most ``limit`` characters."""
+    text = " ".join(str(sample.metadata.get("failure", sample.status.value)).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def advantage_stage(

@@ -974,10 +974,12 @@ def _is_write_error(err: RuntimeError) -> bool:
 
 def all_failed_message(err: AllSamplesFailed, reward: RewardConfig) -> str:
     """One line for a step in which every sample failed: the step, the reward function (``reward.path``, or the
-    built-in ``reward.type``), the first three distinct failure reasons and the fix."""
+    built-in ``reward.type``) when every failure was the reward's, the first three distinct failure reasons and the
+    fix."""
     name = f"reward.path {reward.path!r}" if reward.type == "custom" else f"reward.type {reward.type!r}"
     if reward.group_path:
         name += f" with reward.group_path {reward.group_path!r}"
+    rewards_failed = all(kind.startswith("reward_") for kind in err.kinds)
     reasons = "; ".join(_shorten(reason) for reason in err.reasons[:3])
     if len(err.reasons) > 3:
         reasons += f"; and {len(err.reasons) - 3} more"
@@ -986,11 +988,12 @@ def all_failed_message(err: AllSamplesFailed, reward: RewardConfig) -> str:
             f"Make the reward function return within reward.timeout_s ({reward.timeout_s:g} s), or raise "
             "--reward.timeout-s"
         )
-    elif all(kind.startswith("reward_") for kind in err.kinds):
+    elif rewards_failed:
         fix = "Fix the reward function (call it on one sample in Python to see its error)"
     else:
         fix = "Fix what the reasons name"
-    return f"step {err.step}: all {err.num_samples} samples failed (reward: {name}); first reasons: {reasons}. {fix}"
+    which = f" (reward: {name})" if rewards_failed else ""  # not the reward's fault when generation failed
+    return f"step {err.step}: all {err.num_samples} samples failed{which}; first reasons: {reasons}. {fix}"
 
 
 def _shorten(text: str, limit: int = 200) -> str:
