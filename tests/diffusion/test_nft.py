@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from miles.diffusion.config import FlowGRPOConfig
+from miles.diffusion.config import FlowGRPOConfig, FlowLoraConfig
 from miles.diffusion.models import tiny_flow_model
-from miles.diffusion.nft import diffusion_nft_loss, forward_noised, optimality
+from miles.diffusion.nft import diffusion_nft_loss, forward_noised, old_policy_decay, optimality
 from miles.diffusion.trainer import FlowGRPOTrainer
 from pydantic import ValidationError
 
@@ -89,8 +89,62 @@ def test_an_nft_step_moves_the_velocity_towards_the_better_images():
         ({"guidance_scale": 3.0}, "diffusion_nft trains CFG-free"),
         ({"kl_coef": 0.1}, "diffusion_nft has none"),
         ({"nft_beta": 0.0}, "nft_beta"),
+        ({"nft_decay_max": 1.0}, "nft_decay_max"),
     ],
 )
 def test_nft_settings_that_cannot_run(fields, message):
     with pytest.raises(ValidationError, match=message):
         FlowGRPOConfig(loss="diffusion_nft", **fields)
+
+
+def test_flow_grpo_refuses_the_old_policys_soft_update():
+    with pytest.raises(ValidationError, match="nft_decay_rate is DiffusionNFT's soft update"):
+        FlowGRPOConfig(nft_decay_rate=0.001)
+
+
+def test_the_soft_update_schedule_by_hand():
+    """DiffusionNFT's schedule: eta = min(rate x (steps - delay), max) from delay on, 0 before."""
+    default = dict(rate=0.001, max_decay=0.5)
+    assert [old_policy_decay(s, **default) for s in (0, 1, 100, 499, 500, 2000)] == pytest.approx(
+        [0.0, 0.001, 0.1, 0.499, 0.5, 0.5]
+    )
+    ocr = dict(rate=0.0075, max_decay=0.999, delay=75)
+    assert [old_policy_decay(s, **ocr) for s in (0, 74, 75, 175, 300)] == pytest.approx([0.0, 0.0, 0.0, 0.75, 0.999])
+    with pytest.raises(ValueError, match="max_decay"):
+        old_policy_decay(1, rate=0.1, max_decay=1.0)
+
+
+NFT = dict(loss="diffusion_nft", prompts_per_step=2, group_size=4, num_steps=3, lr=1e-2, weight_decay=0.0)
+
+
+@pytest.mark.parametrize("lora", [None, FlowLoraConfig(rank=4, alpha=8.0)], ids=["full", "lora"])
+def test_the_sampling_copy_holds_the_soft_updated_old_policy(lora):
+    """With nft_decay_rate the rollout copy (DiffusionNFT's v_old, the sampling policy) gets
+    eta old + (1 - eta) theta of the trained parameters after each step (with LoRA: of A and B, merged), by hand."""
+    config = FlowGRPOConfig(**NFT, nft_decay_rate=0.25, nft_decay_max=0.4, lora=lora)
+    trainer = FlowGRPOTrainer(tiny_flow_model(seed=0), config, brightness)
+    start = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if p.requires_grad}
+    first = trainer.step(["a", "b"])
+    assert first["nft/old_decay"] == 0.25  # 1 optimizer step: min(0.25 x 1, 0.4)
+    theta1 = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if n in start}
+    old1 = {n: 0.25 * start[n] + 0.75 * theta1[n] for n in start}
+    assert trainer.step(["a", "b"])["nft/old_decay"] == 0.4  # 2 steps: min(0.5, 0.4)
+    theta2 = {n: p.detach() for n, p in trainer.policy.named_parameters() if n in start}
+    old2 = {n: 0.4 * old1[n] + 0.6 * theta2[n] for n in start}
+    copy = trainer.rollout_transformer.state_dict()
+    if lora is None:
+        for name in start:
+            torch.testing.assert_close(copy[name], old2[name], atol=1e-7, rtol=0, msg=name)
+        assert any(not torch.allclose(copy[n], theta2[n]) for n in start)  # the copy lags the trained weights
+    else:
+        base = tiny_flow_model(seed=0).transformer.state_dict()
+        layer = "transformer_blocks.0.attn.to_q"
+        a, b = old2[f"{layer}.lora_A.default.weight"], old2[f"{layer}.lora_B.default.weight"]
+        torch.testing.assert_close(copy[f"{layer}.weight"], base[f"{layer}.weight"] + (b @ a) * 2.0, atol=1e-7, rtol=0)
+    # an exact resume carries the old policy
+    state = trainer.state_dict()
+    resumed = FlowGRPOTrainer(tiny_flow_model(seed=0), config, brightness)
+    resumed.load_state_dict(state)
+    again = resumed.rollout_transformer.state_dict()
+    assert all(torch.equal(again[k], copy[k]) for k in copy)
+    assert resumed.step(["a", "b"])["loss"] == trainer.step(["a", "b"])["loss"]

@@ -77,6 +77,17 @@ class FlowGRPOConfig(BaseModel):
         description="diffusion_nft: b, the implicit policies' distance from the "
         "sampling policy (1.0: the positive policy is the trained one).",
     )
+    nft_decay_rate: float = Field(
+        0.0,
+        ge=0,
+        description="diffusion_nft: the soft update of the old (sampling) policy after each step, theta_old <- eta "
+        "theta_old + (1 - eta) theta with eta = min(rate x (optimizer steps - nft_decay_delay), nft_decay_max) "
+        "(DiffusionNFT's schedule; its default: 0.001 with max 0.5); 0 = the old policy is the trained one.",
+    )
+    nft_decay_max: float = Field(0.5, ge=0, lt=1, description="diffusion_nft: the largest eta of the soft update.")
+    nft_decay_delay: int = Field(
+        0, ge=0, description="diffusion_nft: optimizer steps before the soft update starts (eta 0 before)."
+    )
     nft_reward_scale: float = Field(
         1.0, gt=0, description="diffusion_nft: Z in r = 0.5 + 0.5 clip(A / Z, -1, 1), A the group-normalized advantage."
     )
@@ -110,6 +121,11 @@ class FlowGRPOConfig(BaseModel):
         if self.loss == "diffusion_nft" and self.guidance_scale != 1.0:
             raise ValueError(
                 "algorithm.loss diffusion_nft trains CFG-free: set --algorithm.guidance-scale 1.0 (or loss flow_grpo)"
+            )
+        if self.loss != "diffusion_nft" and self.nft_decay_rate > 0:
+            raise ValueError(
+                "algorithm.nft_decay_rate is DiffusionNFT's soft update of its old policy; flow_grpo samples with the "
+                "trained weights: set --algorithm.nft-decay-rate 0 (or --algorithm.loss diffusion_nft)"
             )
         if self.loss == "diffusion_nft" and self.kl_coef > 0:
             raise ValueError(

@@ -68,3 +68,18 @@ def diffusion_nft_loss(
     r = r.float()
     loss = (r * positive + (1 - r) * negative).mean()
     return loss, {"nft/positive_mse": positive.detach().mean(), "nft/negative_mse": negative.detach().mean()}
+
+
+def old_policy_decay(optimizer_steps: int, *, rate: float, max_decay: float, delay: int = 0) -> float:
+    """DiffusionNFT's soft-update coefficient eta of the old (sampling) policy after ``optimizer_steps`` updates:
+    ``theta_old <- eta * theta_old + (1 - eta) * theta``, with ``eta = min(rate * (optimizer_steps - delay),
+    max_decay)`` from ``delay`` steps on and 0 before (the reference implementation's schedule: rate 1e-3, max 0.5 by
+    default; delay 75, rate 7.5e-3, max 0.999 for OCR). eta = 0 makes the old policy the trained one.
+
+    Raises: ValueError for a negative rate or delay, or max_decay outside [0, 1).
+    """
+    if rate < 0 or delay < 0 or not 0 <= max_decay < 1:
+        raise ValueError(f"need rate >= 0, delay >= 0 and 0 <= max_decay < 1, got {rate}, {delay}, {max_decay}")
+    if optimizer_steps < delay:
+        return 0.0
+    return min((optimizer_steps - delay) * rate, max_decay)

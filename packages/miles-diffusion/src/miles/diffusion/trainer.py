@@ -18,7 +18,9 @@ reference is the transformer with its adapters off, and each push sends the adap
 
 With ``loss: diffusion_nft`` step 3 is DiffusionNFT's instead (``miles.diffusion.nft``): flow matching on the
 sampled clean images at the trained steps' times, split by reward between implicit positive and negative policies
-around the rollout copy (the sampling policy); no log-probs are used.
+around the rollout copy (the sampling policy); no log-probs are used. With ``nft_decay_rate`` the sampling policy is
+DiffusionNFT's soft-updated old policy ``theta_old <- eta theta_old + (1 - eta) theta`` (of the trained parameters:
+the adapters with LoRA), pushed to the rollout copy instead of the trained weights.
 
 The trainer holds one process; FSDP2 across ranks and an SGLang-diffusion engine are not wired here yet.
 """
@@ -40,7 +42,7 @@ from miles.core.algorithms.advantages import grpo_advantages
 from miles.diffusion.config import FlowGRPOConfig
 from miles.diffusion.flow_grpo import flow_grpo_loss, gaussian_kl
 from miles.diffusion.models import FlowModel
-from miles.diffusion.nft import diffusion_nft_loss, forward_noised, optimality
+from miles.diffusion.nft import diffusion_nft_loss, forward_noised, old_policy_decay, optimality
 from miles.diffusion.rewards import to_uint8
 from miles.diffusion.sampler import Conditioning, Trajectories, sample, sample_ode, step_transition, velocity
 from miles.sync import InProcessTransport, WeightReceiver, WeightSender
@@ -114,6 +116,10 @@ class FlowGRPOTrainer:
         )
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps=config.warmup_steps)
         self.steps_done = 0
+        # DiffusionNFT's old policy (soft-updated trainable parameters), pushed instead of them; None: the policy's
+        self.old_params: dict[str, Tensor] | None = None
+        if config.nft_decay_rate > 0:
+            self.old_params = {n: p.detach().clone() for n, p in self.policy.named_parameters() if p.requires_grad}
         self.publish(everything=True)
 
     def _load_rollout(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
@@ -134,7 +140,9 @@ class FlowGRPOTrainer:
         if self.config.lora is not None:
             if not everything:
                 named = [(name, t) for name, t in named if ".base_layer." in name or ".lora_" in name]
-            named = merged_weights(self.policy, named)
+            named = merged_weights(self.policy, named, adapters=self.old_params)
+        elif self.old_params is not None:
+            named = [(name, self.old_params.get(name, t)) for name, t in named]
         with torch.no_grad():
             return self.sender.push(named, version=version)
 
@@ -198,7 +206,8 @@ class FlowGRPOTrainer:
         Returns: metrics: ``loss``, ``grad_norm``; flow_grpo: ``clipfrac``, ``approx_kl``, ``kl`` (with a
         reference) and ``train_rollout_logprob_max_abs_diff``, the largest |recomputed - sampled| log-prob of the
         first mini-batch, before any update (0 up to fp32 when the rollout copy holds the policy's weights);
-        diffusion_nft: ``nft/positive_mse``, ``nft/negative_mse``.
+        diffusion_nft: ``nft/positive_mse``, ``nft/negative_mse``, ``nft/old_decay`` (eta of the soft update, with
+        ``nft_decay_rate``).
         """
         cfg = self.config
         cond, uncond = self._conditions(rollout.prompts)
@@ -208,6 +217,8 @@ class FlowGRPOTrainer:
         with dropout:
             for update in range(cfg.updates_per_rollout):
                 applied += self._update(rollout, cond, uncond, step=step, update=update, sums=sums)
+        if self.old_params is not None:
+            sums["nft/old_decay"] = self._soft_update()
         version = self.publish()
         if cfg.loss == "flow_grpo":
             sums["train_rollout_logprob_max_abs_diff"] = sums.pop("logprob_diff")
@@ -298,6 +309,20 @@ class FlowGRPOTrainer:
         metrics["logprob_diff"] = (current.log_prob.detach()[:, None] - old).abs().max()
         return loss, metrics
 
+    @torch.no_grad()
+    def _soft_update(self) -> float:
+        """DiffusionNFT's soft update of the old policy after this step's optimizer steps (``old_policy_decay``).
+        Returns: eta."""
+        cfg = self.config
+        eta = old_policy_decay(
+            int(self.scheduler.last_epoch), rate=cfg.nft_decay_rate, max_decay=cfg.nft_decay_max,
+            delay=cfg.nft_decay_delay,
+        )  # fmt: skip
+        for name, param in self.policy.named_parameters():
+            if name in self.old_params:
+                self.old_params[name].mul_(eta).add_(param.detach(), alpha=1.0 - eta)
+        return eta
+
     @contextlib.contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:
         """The KL reference, the run's starting transformer: a frozen copy, or with LoRA the policy with its
@@ -351,11 +376,14 @@ class FlowGRPOTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         """What an exact resume needs: the transformer (with LoRA its adapters only: the base is the run's model as
-        loaded), the optimizer, the LR schedule, the step count, the rollout copy's weight version."""
+        loaded), the optimizer, the LR schedule, the step count, the rollout copy's weight version, and with
+        ``nft_decay_rate`` the old policy (``old_params``: the soft-updated trainable parameters)."""
         transformer = self.policy.state_dict()
         if self.config.lora is not None:
             transformer = {name: t for name, t in transformer.items() if ".lora_" in name}
+        extra = {"old_params": {n: t.clone() for n, t in self.old_params.items()}} if self.old_params else {}
         return {
+            **extra,
             "weight_version": self.receiver.weight_version,
             "transformer": transformer,
             "optimizer": self.optimizer.state_dict(),
@@ -394,4 +422,14 @@ class FlowGRPOTrainer:
         optimizer_steps = int(state["scheduler"]["last_epoch"])  # the schedule's position: steps applied
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps=cfg.warmup_steps, steps_done=optimizer_steps)
         self.steps_done = int(state["steps_done"])
+        if self.old_params is not None:
+            if "old_params" in state:
+                for name, tensor in state["old_params"].items():
+                    self.old_params[name].copy_(tensor)
+            else:  # a checkpoint of a run without the soft update: it starts from the trained weights
+                logger.info("algorithm.nft_decay_rate is on but the checkpoint has no old policy: it starts as the "
+                            "checkpoint's weights")  # fmt: skip
+                for name, param in self.policy.named_parameters():
+                    if name in self.old_params:
+                        self.old_params[name].copy_(param.detach())
         self.publish(version=max(int(state["weight_version"]), self.sender.version + 1), everything=True)

@@ -13,7 +13,7 @@ themselves and get only A and scaling * B (``adapter_weights``). Hu et al. 2021 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -134,11 +134,16 @@ def _full(tensor: Tensor) -> Tensor:
         return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
 
 
-def merged_weights(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def merged_weights(
+    model: nn.Module, named: Iterable[tuple[str, Tensor]], *, adapters: Mapping[str, Tensor] | None = None
+) -> Iterator[tuple[str, Tensor]]:
     """(HF name, full tensor) pairs of the merged model from ``named`` (``model``'s state-dict items, possibly
     sharded), in order: adapters folded into their base weights, adapter tensors dropped, ``.base_layer`` removed
     from names. Collective on a sharded model (every rank must read the whole stream).
 
+    Args:
+        adapters: A and B to merge instead of the layers' own, by the model's names
+            (``<module>.lora_A.default.weight``; e.g. an EMA of them); None merges the live adapters.
     Returns: merged weights in fp32 for LoRA layers (``W + scaling * B @ A``), every other tensor as held.
     """
     layers = adapter_layers(model)
@@ -152,8 +157,10 @@ def merged_weights(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -> Ite
         full = _full(tensor)
         if suffix == "weight":
             layer = layers[prefix]
-            a, b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
-            full = _merged(full, a, b, layer.scaling[ADAPTER])
+            a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+            if adapters is not None:
+                a, b = adapters[f"{prefix}.lora_A.{ADAPTER}.weight"], adapters[f"{prefix}.lora_B.{ADAPTER}.weight"]
+            full = _merged(full, _full(a), _full(b), layer.scaling[ADAPTER])
         yield f"{prefix}.{suffix}", full
 
 
