@@ -8,6 +8,20 @@ from miles.recipes.cli import main, resolve_config
 from tiny_runs import TINY_RUN_PATH
 
 RECIPE = "tiny_qwen3_vl_grpo_visual"
+LENGTH_REWARD = ["--reward.type", "custom", "--reward.path", "reward_plugins:text_length", "--eval.num-prompts", "0"]
+
+
+def _two_steps(tmp_path, monkeypatch, name, *extra, recipe=RECIPE):
+    """Run 2 steps of ``recipe`` with a response-length reward (the random twin scores 0 on the visual questions);
+    returns the training rows of metrics.jsonl."""
+    monkeypatch.syspath_prepend(TINY_RUN_PATH)
+    args = [*LENGTH_REWARD, "--run.dir", str(tmp_path), "--run.name", name, "--run.progress", "false", *extra]
+    assert main(["train", "--recipe", recipe, *args]) == 0
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["grad_norm"] > 0 and r["samples/failed"] == 0 for r in rows), rows
+    return rows
 
 
 def test_the_vlm_twin_is_a_qwen3_vl_with_vision_tokens_a_processor_and_a_template(tiny_vlm_dir):
@@ -37,14 +51,7 @@ def test_the_vlm_twin_is_a_qwen3_vl_with_vision_tokens_a_processor_and_a_templat
 def test_the_vlm_recipe_runs_two_grpo_steps_with_images_and_engine_and_trainer_agree(tmp_path, monkeypatch):
     """2 GRPO steps with a response-length reward (the random twin scores 0 on the visual questions): the trainer
     takes steps, every weight is pushed, and after the step-1 push engine and trainer log-probs agree."""
-    monkeypatch.syspath_prepend(TINY_RUN_PATH)
-    args = ["--reward.type", "custom", "--reward.path", "reward_plugins:text_length", "--eval.num-prompts", "0"]
-    args += ["--run.dir", str(tmp_path), "--run.name", "vlm", "--run.progress", "false"]
-    assert main(["train", "--recipe", RECIPE, *args]) == 0
-    rows = [json.loads(line) for line in (tmp_path / "vlm" / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["grad_norm"] > 0 and r["samples/failed"] == 0 for r in rows), rows
+    rows = _two_steps(tmp_path, monkeypatch, "vlm")
     assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-5, rows
     # the checkpoint's model directory holds the whole processor: training or evaluation can start from it
     from miles.rollout.multimodal import VisionProcessor, load_tokenizer
@@ -64,10 +71,6 @@ def test_the_vlm_recipe_runs_two_grpo_steps_with_images_and_engine_and_trainer_a
         (  # was found only when every sample of step 1 failed to render
             ["--models.policy.path", "tiny-qwen3"],
             "is a text-only model but the prompts carry images (data.image_key or the bundled visual task)",
-        ),
-        (
-            ["--train.lora", "on"],
-            "train.lora is not supported for vision-language models yet (untested with a vision tower)",
         ),
         (
             ["--rollout.mode", "multi_turn"],
@@ -151,15 +154,7 @@ def test_a_vision_language_checkpoint_takes_vllm_unless_its_prompts_may_carry_im
 def test_image_prompts_go_to_a_miles_serve_server_as_input_ids_and_image_data(tmp_path, monkeypatch):
     """The SGLang-API path: the client sends the expanded input_ids and the images' files (image_data); `miles serve`
     (SGLang's API; not SGLang) runs the model's own image processor on them: engine = trainer after the push."""
-    monkeypatch.syspath_prepend(TINY_RUN_PATH)
-    args = ["--reward.type", "custom", "--reward.path", "reward_plugins:text_length", "--eval.num-prompts", "0"]
-    args += ["--engine.type", "sglang", "--engine.server", "miles"]
-    args += ["--run.dir", str(tmp_path), "--run.name", "vlm_serve", "--run.progress", "false"]
-    assert main(["train", "--recipe", RECIPE, *args]) == 0
-    rows = [json.loads(line) for line in (tmp_path / "vlm_serve" / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["grad_norm"] > 0 and r["samples/failed"] == 0 for r in rows), rows
+    rows = _two_steps(tmp_path, monkeypatch, "vlm_serve", "--engine.type", "sglang", "--engine.server", "miles")
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows  # 4.7e-7 measured
 
 
@@ -168,11 +163,35 @@ def test_the_qwen3_vl_gpu_recipe_validates_and_its_tiny_twin_trains_with_images(
     gpu = resolve_config("qwen3_vl_2b_grpo_visual", [])
     assert (gpu.models.policy.path, gpu.engine.type, gpu.train.world_size) == ("Qwen/Qwen3-VL-2B-Instruct", "sglang", 1)
     assert (gpu.data.source, gpu.reward.type, gpu.train.dtype) == ("custom", "exact_match", "bf16")
-    monkeypatch.syspath_prepend(TINY_RUN_PATH)
-    args = ["--reward.type", "custom", "--reward.path", "reward_plugins:text_length", "--eval.num-prompts", "0"]
-    args += ["--run.dir", str(tmp_path), "--run.name", "vl2b", "--run.progress", "false"]
-    assert main(["train", "--recipe", "qwen3_vl_2b_grpo_visual", "--tiny", *args]) == 0
-    rows = [json.loads(line) for line in (tmp_path / "vl2b" / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["samples/failed"] == 0 for r in rows), rows
+    rows = _two_steps(tmp_path, monkeypatch, "vl2b", "--tiny", recipe="qwen3_vl_2b_grpo_visual")
     assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-5, rows  # packed batches with images
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param(["--train.lora.sync", "merged"], id="embedded-merged"),
+        pytest.param(["--train.lora.sync", "adapter"], id="embedded-adapter"),
+        pytest.param(["--train.lora.sync", "adapter", "--engine.type", "sglang", "--engine.server", "miles"],
+                     id="miles-serve-adapter"),
+    ],
+)  # fmt: skip
+def test_lora_on_a_vision_language_policy_trains_with_images_and_the_tower_stays_as_loaded(
+    tmp_path, monkeypatch, engine
+):
+    """peft adapters on the language model's projections (the default targets; the tower's are named qkv / proj /
+    linear_fc*): 2 steps with images, engine = trainer after each push, merged or as adapters (the embedded engine;
+    `miles serve`, SGLang's API, not SGLang), and the vision tower in the checkpoint equal to the starting model's."""
+    from miles.core.multimodal import load_policy_model
+    from miles.recipes.models.tiny import ensure_tiny
+
+    rows = _two_steps(tmp_path, monkeypatch, "lora", "--train.lora.rank", "4", *engine)
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows  # 0 .. 4.1e-7 measured
+    start, end = (
+        dict(load_policy_model(path).named_parameters())
+        for path in (ensure_tiny("qwen3-vl"), tmp_path / "lora" / "checkpoints" / "step_2" / "model")
+    )
+    assert start.keys() == end.keys()
+    assert all(torch.equal(start[n], end[n]) for n in start if n.startswith("model.visual."))
+    assert any(not torch.equal(start[n], end[n]) for n in start if ".self_attn.q_proj." in n)  # merged adapters

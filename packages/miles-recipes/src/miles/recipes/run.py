@@ -1097,7 +1097,7 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
     """Refuse, in one line, what vision-language policies do not run with yet: vLLM servers when the prompts may
     carry images (SGLang-API servers take them as image_data; text-only runs of a vision-language checkpoint, as
     Qwen3.5's, use any engine), SFT and multi-turn rollouts (their renderers do
-    not carry images), a critic (no token-classification head for VLMs), LoRA (untested), and a text-only reference
+    not carry images), a critic (no token-classification head for VLMs), and a text-only reference
     or teacher. The Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json
     files alone, before anything starts."""
     from miles.core.multimodal import is_multimodal_config
@@ -1138,7 +1138,6 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
             "no token-classification head",
             "use an algorithm without one (GRPO, REINFORCE++)",
         ),
-        "train.lora": (cfg.train.lora is not None, "untested with a vision tower", "drop --train.lora"),
     }
     for what, (refused, why, fix) in refusals.items():
         if refused:
