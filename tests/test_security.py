@@ -27,6 +27,8 @@ RULES = [
 EXEMPT = {
     # Round-trips an object the test itself pickled one line earlier, to prove Sample crosses processes (Ray).
     ("pickle_load", "tests/core/test_sample.py"),
+    # The worker process loads the TrainBatch its own test saved for it (a dataclass, not a weights-only container).
+    ("torch_load_without_weights_only", "tests/train/fsdp2_vlm_worker.py"),
     # The preamble the sandbox's child process runs: it execs the model's program there, after setting the rlimits
     # and the audit hook (the one place model-written text runs, and never in the trainer process).
     ("eval_or_exec", "packages/miles-rollout/src/miles/rollout/rewards/sandbox.py"),

@@ -191,7 +191,8 @@ class _CheckpointedTrainer:
         torch.save(state, Path(directory) / "optimizer.pt")
 
     def load(self, directory: Path) -> None:
-        state = torch.load(Path(directory) / "optimizer.pt", weights_only=True)
+        optimizer_path = Path(directory) / "optimizer.pt"
+        state = torch.load(optimizer_path, weights_only=True)
         if self.trainer.config.lora is not None:
             self.trainer.load_state_dict({**state, "transformer": state.pop("adapters")})
             return
