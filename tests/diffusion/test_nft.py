@@ -131,7 +131,7 @@ def test_the_sampling_copy_holds_the_soft_updated_old_policy(lora):
     assert trainer.step(["a", "b"])["nft/old_decay"] == 0.4  # 2 steps: min(0.5, 0.4)
     theta2 = {n: p.detach() for n, p in trainer.policy.named_parameters() if n in start}
     old2 = {n: 0.4 * old1[n] + 0.6 * theta2[n] for n in start}
-    copy = trainer.rollout_transformer.state_dict()
+    copy = {k: v.clone() for k, v in trainer.rollout_transformer.state_dict().items()}
     if lora is None:
         for name in start:
             torch.testing.assert_close(copy[name], old2[name], atol=1e-7, rtol=0, msg=name)
@@ -141,6 +141,13 @@ def test_the_sampling_copy_holds_the_soft_updated_old_policy(lora):
         layer = "transformer_blocks.0.attn.to_q"
         a, b = old2[f"{layer}.lora_A.default.weight"], old2[f"{layer}.lora_B.default.weight"]
         torch.testing.assert_close(copy[f"{layer}.weight"], base[f"{layer}.weight"] + (b @ a) * 2.0, atol=1e-7, rtol=0)
+        # what a checkpoint saves: the trained weights, merged; the copy holds the old policy again afterwards
+        live = dict(trainer.policy.named_parameters())
+        a, b = live[f"{layer}.lora_A.default.weight"], live[f"{layer}.lora_B.default.weight"]
+        with trainer.trained_transformer() as trained:
+            torch.testing.assert_close(trained.state_dict()[f"{layer}.weight"], base[f"{layer}.weight"] + (b @ a) * 2.0,
+                                       atol=1e-7, rtol=0)  # fmt: skip
+        assert all(torch.equal(trainer.rollout_transformer.state_dict()[k], copy[k]) for k in copy)
     # an exact resume carries the old policy
     state = trainer.state_dict()
     resumed = FlowGRPOTrainer(tiny_flow_model(seed=0), config, brightness)

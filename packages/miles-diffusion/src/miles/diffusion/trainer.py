@@ -146,10 +146,26 @@ class FlowGRPOTrainer:
         with torch.no_grad():
             return self.sender.push(named, version=version)
 
-    def trained_transformer(self) -> torch.nn.Module:
-        """A plain transformer holding the trained weights (what a checkpoint's ``model/`` saves): the policy, or with
-        LoRA the rollout copy, which every ``train`` ends by loading with the merged weights."""
-        return self.policy if self.config.lora is None else self.rollout_transformer
+    @contextlib.contextmanager
+    def trained_transformer(self) -> Iterator[torch.nn.Module]:
+        """A plain transformer holding the trained weights inside the block (what a checkpoint's ``model/`` saves):
+        the policy; with LoRA the rollout copy, which every ``train`` ends by loading with the merged weights (with
+        ``nft_decay_rate`` it holds the old policy: its adapted layers hold the merged trained weights inside the
+        block, and the old policy's again after it)."""
+        if self.config.lora is None:
+            yield self.policy
+            return
+        if self.old_params is None:
+            yield self.rollout_transformer
+            return
+        named = [(n, t) for n, t in self.policy.state_dict().items() if ".base_layer." in n or ".lora_" in n]
+        merged = dict(merged_weights(self.policy, named))
+        held = {name: self._rollout_tensors[name].detach().clone() for name in merged}
+        self._load_rollout(list(merged.items()))
+        try:
+            yield self.rollout_transformer
+        finally:
+            self._load_rollout(list(held.items()))
 
     def _conditions(self, prompts: Sequence[str]) -> tuple[Conditioning, Conditioning | None]:
         cond = self.model.encode(prompts)

@@ -182,8 +182,8 @@ class _CheckpointedTrainer:
         for name, tensor in self.trainer.policy.state_dict().items():
             if not bool(torch.isfinite(tensor).all()):
                 raise FloatingPointError(f"the transformer's {name} is not finite: not saving it")
-        save_flow_model(dataclasses.replace(self.model, transformer=self.trainer.trained_transformer()),
-                        Path(directory) / "model")  # fmt: skip
+        with self.trainer.trained_transformer() as transformer:
+            save_flow_model(dataclasses.replace(self.model, transformer=transformer), Path(directory) / "model")
         state = self.trainer.state_dict()
         transformer = state.pop("transformer")
         if self.trainer.config.lora is not None:
