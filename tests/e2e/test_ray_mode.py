@@ -562,6 +562,24 @@ def test_megatron_with_tensor_parallel_2_on_ray_trains_and_the_servers_follow_it
     _assert_ports_free(_server_urls(run_dir))
 
 
+def _two_vlm_steps(cluster, workdir, name: str, *recipe_args: str) -> Path:
+    """2 GRPO steps of a vision-language recipe on 2 FSDP2 ranks and 2 `miles serve` servers behind the router:
+    no failed sample, a gradient, engine = trainer after each push. Returns: the run directory."""
+    _, address = cluster
+    args = [
+        *recipe_args, *RAY_MODE, "--execution.ray.address", address,
+        "--reward.type", "custom", "--reward.path", "ray_reward:odd_first_token",
+        "--rollout.rollout-batch-size", "2", "--rollout.n-samples-per-prompt", "4", "--eval.num-prompts", "0",
+        "--run.dir", str(workdir), "--run.name", name, "--run.progress", "false", "--run.num-threads", "1",
+    ]  # fmt: skip
+    rc, stderr = Run(args, workdir).finish(min_children=1)
+    assert rc == 0, stderr[-4000:]
+    rows = [r for r in _metrics(workdir / name) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["samples/failed"] == 0 for r in rows), rows
+    assert all(r["grad_norm"] > 0 and r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows
+    return workdir / name
+
+
 def test_a_vision_language_checkpoint_trains_on_text_with_two_ranks_and_servers_and_its_tower_stays_frozen(
     cluster, workdir
 ):
@@ -573,19 +591,7 @@ def test_a_vision_language_checkpoint_trains_on_text_with_two_ranks_and_servers_
     from miles.recipes.models.tiny import ensure_tiny
     from transformers import AutoConfig
 
-    _, address = cluster
-    run_dir = workdir / "vlm_text"
-    args = [
-        "--recipe", "qwen3_5_35b_a3b_grpo_gsm8k", "--tiny", *RAY_MODE, "--execution.ray.address", address,
-        "--reward.type", "custom", "--reward.path", "ray_reward:odd_first_token",
-        "--rollout.rollout-batch-size", "2", "--rollout.n-samples-per-prompt", "4", "--eval.num-prompts", "0",
-        "--run.dir", str(workdir), "--run.name", "vlm_text", "--run.progress", "false", "--run.num-threads", "1",
-    ]  # fmt: skip
-    rc, stderr = Run(args, workdir).finish(min_children=1)
-    assert rc == 0, stderr[-4000:]
-    rows = [r for r in _metrics(run_dir) if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["samples/failed"] == 0 for r in rows), rows
-    assert all(r["grad_norm"] > 0 and r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows
+    run_dir = _two_vlm_steps(cluster, workdir, "vlm_text", "--recipe", "qwen3_5_35b_a3b_grpo_gsm8k", "--tiny")
     log = (run_dir / "train.log").read_text()
     assert "is a vision-language model, trained on text prompts only (engine sglang)" in log
     models = [ensure_tiny("qwen3.5-moe"), run_dir / "checkpoints" / "step_2" / "model"]
@@ -606,20 +612,9 @@ def test_image_prompts_train_with_two_ranks_on_miles_serve_servers_and_the_tower
     from miles.core.multimodal import load_policy_model
     from miles.recipes.models.tiny import ensure_tiny
 
-    _, address = cluster
-    run_dir = workdir / "vlm_images"
-    args = [
-        "--recipe", "tiny_qwen3_vl_grpo_visual", *RAY_MODE, "--execution.ray.address", address,
-        "--reward.type", "custom", "--reward.path", "ray_reward:odd_first_token",
-        "--rollout.rollout-batch-size", "2", "--rollout.n-samples-per-prompt", "4", "--eval.num-prompts", "0",
-        "--train.micro-batch-size", "2",
-        "--run.dir", str(workdir), "--run.name", "vlm_images", "--run.progress", "false", "--run.num-threads", "1",
-    ]  # fmt: skip
-    rc, stderr = Run(args, workdir).finish(min_children=1)
-    assert rc == 0, stderr[-4000:]
-    rows = [r for r in _metrics(run_dir) if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["samples/failed"] == 0 for r in rows), rows
-    assert all(r["grad_norm"] > 0 and r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows
+    run_dir = _two_vlm_steps(
+        cluster, workdir, "vlm_images", "--recipe", "tiny_qwen3_vl_grpo_visual", "--train.micro-batch-size", "2"
+    )
     start, end = (
         dict(load_policy_model(path).named_parameters())
         for path in (ensure_tiny("qwen3-vl"), run_dir / "checkpoints" / "step_2" / "model")
