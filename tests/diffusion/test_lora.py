@@ -92,7 +92,16 @@ def test_a_resume_loads_the_adapters_onto_the_base_and_equals_an_uninterrupted_r
         other.load_state_dict(state)
 
 
-def test_targets_that_match_nothing_name_the_field():
-    config = FlowGRPOConfig(**SMALL, lora=FlowLoraConfig(target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match=r"algorithm.lora.target_modules \['q_proj'\] match no Linear layer"):
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (["q_proj"], "'q_proj' matches no module, not a Linear layer"),
+        (["to_q", "nonexistent"], "'nonexistent' matches no module"),  # peft would drop it without a word
+        (["to_out"], r"'to_out' names a ModuleList \(transformer_blocks.0.attn.to_out\), not a Linear layer"),
+    ],
+)
+def test_targets_that_name_no_linear_layer_name_the_field_and_the_valid_names(targets, message):
+    config = FlowGRPOConfig(**SMALL, lora=FlowLoraConfig(target_modules=targets))
+    with pytest.raises(ValueError, match=f"algorithm.lora.target_modules: {message}") as err:
         FlowGRPOTrainer(tiny_flow_model(seed=0), config, brightness)
+    assert "'to_out.0'" in str(err.value) and "'0'" not in str(err.value)  # the names a target can use

@@ -109,7 +109,10 @@ def test_ctrl_c_finishes_the_step_saves_and_the_run_continues(tmp_path, monkeypa
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--algorithm.lora.target-modules", "['q_proj']"], r"algorithm.lora.target_modules \['q_proj'\] match no"),
+        (
+            ["--algorithm.lora.target-modules", "['q_proj']"],
+            "algorithm.lora.target_modules: 'q_proj' matches no module",
+        ),
         (["--algorithm.lora.sync", "adapter"], "algorithm.lora.sync"),
         (["--algorithm.train-steps", "9"], r"algorithm.train_steps \(9\) must be at most algorithm.num_steps \(3\)"),
         (["--reward.path", "no_colon"], "reward.path is 'no_colon'; expected module:attr"),
@@ -202,7 +205,15 @@ def test_a_lora_run_resumes_exactly_and_saves_the_merged_transformer(tmp_path, c
     assert adapters and all(".lora_" in name for name in adapters)
     assert main([*resume, "--loop.num-steps", "3", "--algorithm.lora.rank", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "but the checkpoint" in err[0] and "keeps its adapters' rank" in err[0], err
+    assert len(err) == 1 and err[0].startswith("miles: algorithm.lora.rank is 8 but the checkpoint"), err
+    assert "trained with 4: a resumed run keeps its adapters' rank" in err[0] and len(err[0]) < 400, err
+    assert main([*resume, "--loop.num-steps", "3", "--algorithm.lora", "off"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "algorithm.lora is off but the checkpoint" in err[0] and "trained with LoRA (rank 4)" in err[0], err
+    assert (
+        "algorithm.lora: 23 adapted layers (rank 4, alpha 64), 11.8 k adapter weights train"
+        in (tmp_path / "straight" / "train.log").read_text()
+    )
 
 
 def test_a_reward_function_replaces_the_named_reward_and_its_signature_is_checked(tmp_path, capsys):

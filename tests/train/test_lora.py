@@ -143,7 +143,7 @@ def test_resume_with_other_adapters_and_unknown_modules_fail_in_one_line(tiny_ll
     other = _backend(tiny_llama_dir, lora=LoraConfig(rank=2, target_modules=["q_proj", "v_proj", "down_proj"]))
     with pytest.raises(ValueError, match=r"was trained with r 4, this run has 2"):
         other.load(tmp_path)
-    with pytest.raises(ValueError, match=r"train.lora.target_modules \['qkv'\] match no Linear layer.*'q_proj'"):
+    with pytest.raises(ValueError, match=r"train.lora.target_modules: 'qkv' matches no module, not a Linear.*'q_proj'"):
         _backend(tiny_llama_dir, lora=LoraConfig(target_modules=["qkv"]))
 
 
@@ -213,5 +213,7 @@ def test_resume_with_other_scaling_and_untied_targets_are_refused(tiny_llama_dir
         other.load(tmp_path)
     with pytest.raises(ValueError, match=r"lm_head shares its weight with the input embedding"):
         _backend(tiny_smollm2_dir, lora=LoraConfig(target_modules=["lm_head"]))
-    with pytest.raises(ValueError, match=r"embed_tokens is a Embedding; adapters go on nn.Linear layers only"):
+    with pytest.raises(
+        ValueError, match=r"'embed_tokens' names a Embedding \(model.embed_tokens\), not a Linear layer"
+    ):
         _backend(tiny_llama_dir, lora=LoraConfig(target_modules=["embed_tokens"]))

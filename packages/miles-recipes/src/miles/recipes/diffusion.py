@@ -335,13 +335,20 @@ def run_diffusion(
             shape = ("rank", "alpha", "use_rslora", "target_modules")  # what the saved adapters compute
             lora = cfg.algorithm.lora.model_dump(mode="json") if cfg.algorithm.lora is not None else None
             saved_lora = saved_cfg.get("algorithm", {}).get("lora")
-            if (lora is None) != (saved_lora is None) or (
-                lora is not None and any(lora[k] != saved_lora.get(k) for k in shape)
-            ):
+            if (lora is None) != (saved_lora is None):
+                now, then = ("off", f"LoRA (rank {saved_lora['rank']})") if lora is None else ("on", "full fine-tuning")
                 raise RunSetupError(
-                    f"algorithm.lora is {lora!r} but the checkpoint {resume_from} trained with {saved_lora!r}: a "
-                    "resumed run keeps its adapters' rank, alpha and targets (or full fine-tuning); to go on "
-                    f"otherwise, start a new run with --model.path {Path(resume_from) / 'model'}"
+                    f"algorithm.lora is {now} but the checkpoint {resume_from} trained with {then}: a resumed run "
+                    f"keeps it; to go on otherwise, start a new run with --model.path {Path(resume_from) / 'model'}"
+                )
+            changed = [k for k in shape if lora is not None and lora[k] != saved_lora.get(k)]
+            if changed:
+                key = changed[0]
+                raise RunSetupError(
+                    f"algorithm.lora.{key} is {lora[key]!r} but the checkpoint {resume_from} trained with "
+                    f"{saved_lora.get(key)!r}: a resumed run keeps its adapters' rank, alpha and targets; drop "
+                    f"--algorithm.lora.{key.replace('_', '-')}, or start a new run with --model.path "
+                    f"{Path(resume_from) / 'model'}"
                 )
             recorded = saved_cfg.get("model", {})
             for key in ("path", "resolution", "seed", "max_sequence_length"):
@@ -365,6 +372,14 @@ def run_diffusion(
             trainer = FlowGRPOTrainer(model, cfg.algorithm, reward)
         except ValueError as err:  # algorithm.lora.target_modules that match nothing
             raise RunSetupError(" ".join(str(err).split())) from err
+        if cfg.algorithm.lora is not None:
+            lora, params = cfg.algorithm.lora, list(trainer.policy.named_parameters())
+            adapters = sum(p.numel() for n, p in params if ".lora_" in n)
+            logger.info(
+                "algorithm.lora: %d adapted layers (rank %d, alpha %g), %.1f k adapter weights train, the %.2f M of "
+                "the transformer stay as loaded", sum(".lora_A." in n for n, _ in params), lora.rank, lora.alpha,
+                adapters / 1e3, sum(p.numel() for n, p in params if ".lora_" not in n) / 1e6,
+            )  # fmt: skip
         prompts = _PromptCycle(list(cfg.data.prompts))
         eval_prompts = list(cfg.eval.prompts or cfg.data.prompts)
         checkpointed = _CheckpointedTrainer(trainer, model)

@@ -36,6 +36,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, key: str = "train.lora") ->
     """
     from peft import inject_adapter_in_model
 
+    _check_targets(model, cfg, key)
     peft_cfg = _peft_config(cfg)
     try:
         # A is drawn from the global RNG: seeded here so every rank and every run (a resumed one too) start alike,
@@ -43,11 +44,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, key: str = "train.lora") ->
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
             inject_adapter_in_model(peft_cfg, model)
-    except ValueError as err:
-        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    except ValueError:
         raise ValueError(
             f"{key}.target_modules {list(cfg.target_modules)} match no Linear layer of this model; its Linear "
-            f"layers are named {names} ({err})"
+            f"layers' names end in {_linear_suffixes(model)}"
         ) from None
     from peft.tuners.lora import Linear as LoraLinear
 
@@ -67,6 +67,37 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, key: str = "train.lora") ->
         layer.lora_dropout.eval()  # dropout only inside ``adapter_dropout`` (the training forward)
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
+
+
+def _linear_suffixes(model: nn.Module) -> list[str]:
+    """The names a target may give the model's Linear layers: the last path component, or the last two where the
+    last is a list index (``attn.to_out.0`` -> ``to_out.0``)."""
+    suffixes = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            parts = name.split(".")
+            suffixes.add(".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1])
+    return sorted(suffixes)
+
+
+def _check_targets(model: nn.Module, cfg: LoraConfig, key: str) -> None:
+    """Refuse a target that names no Linear layer (peft would adapt the others and drop it without a word, or fail
+    on a module list). The default targets may miss some layers of a model (an MoE's fused experts).
+
+    Raises: ValueError naming the target, what it matched and the model's Linear layers.
+    """
+    modules = dict(model.named_modules())
+    for target in cfg.target_modules:
+        hits = [name for name in modules if name == target or name.endswith("." + target)]
+        if any(isinstance(modules[name], nn.Linear) for name in hits):
+            continue
+        if not hits and "target_modules" not in cfg.model_fields_set:
+            continue
+        found = f"names a {type(modules[hits[0]]).__name__} ({hits[0]})" if hits else "matches no module"
+        raise ValueError(
+            f"{key}.target_modules: {target!r} {found}, not a Linear layer; this model's Linear layers' names end in "
+            f"{_linear_suffixes(model)}"
+        )
 
 
 def _peft_config(cfg: LoraConfig, **extra):
