@@ -1,4 +1,4 @@
-"""Logging helpers for loops: a warning that is worth reading once is not repeated every step."""
+"""Logging helpers for loops: a warning that is worth reading once is not repeated every step; a reason on one line."""
 
 from __future__ import annotations
 
@@ -19,3 +19,10 @@ def warn_once(logger: logging.Logger, msg: str, *args: object) -> None:
         return
     _warned.add(key)
     logger.warning(msg, *args)
+
+
+def one_line(text: object, limit: int = 200) -> str:
+    """``text`` with its white space (newlines included) folded to single spaces, cut to ``limit`` characters with
+    "..." at the end: a failure reason fit for a log line or a one-line error."""
+    folded = " ".join(str(text).split())
+    return folded if len(folded) <= limit else folded[: limit - 3] + "..."

@@ -37,7 +37,7 @@ from miles.core.batch import TrainBatch, build_train_batch
 from miles.core.buffer import collect_groups
 from miles.core.config import AlgorithmConfig, CriticConfig, EvalConfig, LoopConfig, RolloutConfig, check_group_size
 from miles.core.evaluation import evaluate, has_eval
-from miles.core.logs import warn_once
+from miles.core.logs import one_line, warn_once
 from miles.core.plugins import load_plugin
 from miles.core.producer import PromptQueue, RolloutProducer, group_staleness
 from miles.core.protocols import (
@@ -383,19 +383,14 @@ def rollout_stage(
             raise AllSamplesAborted(step + 1, len(samples), rollout.max_resubmits)
         raise AllSamplesFailed(step + 1, samples)
     if num_failed:  # trained without them: the metric counts them, the log says why
-        reasons = list(dict.fromkeys(_reason(s) for s in samples if s.status == SampleStatus.FAILED))
+        failed = (s.metadata.get("failure", s.status.value) for s in samples if s.status == SampleStatus.FAILED)
+        reasons = list(dict.fromkeys(one_line(reason) for reason in failed))
         more = f"; and {len(reasons) - 3} more" if len(reasons) > 3 else ""
         logger.warning(
             "step %d: %d of %d samples failed (not trained); first reasons: %s%s",
             step + 1, num_failed, len(samples), "; ".join(reasons[:3]), more,
         )  # fmt: skip
     return RolloutResult(samples, num_failed, metrics, taken, time.perf_counter() - t0)
-
-
-def _reason(sample: Sample, limit: int = 200) -> str:
-    """A failed sample's reason (``metadata["failure"]``) on one line, at most ``limit`` characters."""
-    text = " ".join(str(sample.metadata.get("failure", sample.status.value)).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def advantage_stage(

@@ -138,13 +138,16 @@ class FlowGRPOTrainer:
         """
         named = self.policy.state_dict().items()
         if self.config.lora is not None:
-            if not everything:
-                named = [(name, t) for name, t in named if ".base_layer." in name or ".lora_" in name]
-            named = merged_weights(self.policy, named, adapters=self.old_params)
+            named = merged_weights(self.policy, named if everything else self._adapted(), adapters=self.old_params)
         elif self.old_params is not None:
             named = [(name, self.old_params.get(name, t)) for name, t in named]
         with torch.no_grad():
             return self.sender.push(named, version=version)
+
+    def _adapted(self) -> list[tuple[str, Tensor]]:
+        """The LoRA-wrapped layers' state-dict items (base weights and biases, adapters): what merges into the
+        adapted layers' weights, the only ones a LoRA step changes."""
+        return [(n, t) for n, t in self.policy.state_dict().items() if ".base_layer." in n or ".lora_" in n]
 
     @contextlib.contextmanager
     def trained_transformer(self) -> Iterator[torch.nn.Module]:
@@ -158,8 +161,7 @@ class FlowGRPOTrainer:
         if self.old_params is None:
             yield self.rollout_transformer
             return
-        named = [(n, t) for n, t in self.policy.state_dict().items() if ".base_layer." in n or ".lora_" in n]
-        merged = dict(merged_weights(self.policy, named))
+        merged = dict(merged_weights(self.policy, self._adapted()))
         held = {name: self._rollout_tensors[name].detach().clone() for name in merged}
         self._load_rollout(list(merged.items()))
         try:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 from miles.core.algorithms.config import load_algorithm_plugins
+from miles.core.logs import one_line
 from miles.core.loop import AllSamplesAborted, AllSamplesFailed, Components, DynamicSamplingExhausted, train
 from miles.core.plugins import load_plugin
 from miles.core.producer import PromptQueue
@@ -980,7 +981,7 @@ def all_failed_message(err: AllSamplesFailed, reward: RewardConfig) -> str:
     if reward.group_path:
         name += f" with reward.group_path {reward.group_path!r}"
     rewards_failed = all(kind.startswith("reward_") for kind in err.kinds)
-    reasons = "; ".join(_shorten(reason) for reason in err.reasons[:3])
+    reasons = "; ".join(one_line(reason) for reason in err.reasons[:3])
     if len(err.reasons) > 3:
         reasons += f"; and {len(err.reasons) - 3} more"
     if err.kinds == ["reward_timeout"]:
@@ -994,11 +995,6 @@ def all_failed_message(err: AllSamplesFailed, reward: RewardConfig) -> str:
         fix = "Fix what the reasons name"
     which = f" (reward: {name})" if rewards_failed else ""  # not the reward's fault when generation failed
     return f"step {err.step}: all {err.num_samples} samples failed{which}; first reasons: {reasons}. {fix}"
-
-
-def _shorten(text: str, limit: int = 200) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _adapter_rank(cfg: MilesConfig) -> int:
