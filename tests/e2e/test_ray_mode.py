@@ -536,18 +536,22 @@ def test_colocated_engines_free_their_memory_for_training_and_the_run_matches_th
         assert text.count("re-allocated the weights, zero-filled") == 2, name  # before each push
 
 
-def test_megatron_with_tensor_parallel_2_on_ray_trains_and_the_servers_follow_its_pushes(
-    cluster, tiny_smollm2_dir, workdir
+@pytest.mark.parametrize(
+    ("size", "shards"),
+    [("tensor", ["tp0_ep0.pt", "tp1_ep0.pt"]), ("pipeline", ["tp0_pp0_ep0.pt", "tp0_pp1_ep0.pt"])],
+)
+def test_megatron_with_tensor_or_pipeline_parallel_2_on_ray_trains_and_the_servers_follow_its_pushes(
+    cluster, tiny_smollm2_dir, workdir, size, shards
 ):
     """train.backend megatron in Ray mode: the 2 trainer actors are one tensor-parallel replica (each holds half of
-    every layer), rank 0 pushes the gathered HF-named weights to both servers, and the run checkpoints each rank's
-    optimizer shard."""
+    every layer) or two pipeline stages (a layer each, the tied embedding at both ends), rank 0 pushes the gathered
+    HF-named weights to both servers, and the run checkpoints each rank's optimizer shard."""
     pytest.importorskip("megatron.core")
     _, address = cluster
-    run_dir = workdir / "megatron"
+    run_dir = workdir / f"megatron_{size}"
     args = [
-        *_overrides(tiny_smollm2_dir, workdir, "megatron"), "--execution.ray.address", address,
-        "--train.backend", "megatron", "--train.megatron.tensor-parallel-size", "2",
+        *_overrides(tiny_smollm2_dir, workdir, f"megatron_{size}"), "--execution.ray.address", address,
+        "--train.backend", "megatron", f"--train.megatron.{size}-parallel-size", "2",
     ]  # fmt: skip
     rc, stderr = Run(args, workdir).finish(min_children=1)
     assert rc == 0, stderr[-4000:]
@@ -557,8 +561,7 @@ def test_megatron_with_tensor_parallel_2_on_ray_trains_and_the_servers_follow_it
     assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-3  # step 2 sampled with the pushed weights
     log = (run_dir / "train.log").read_text()
     assert "Ray placement: 2 Megatron trainer ranks on bundles 0-1" in log, log[-3000:]
-    shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_2" / "optimizer").iterdir())
-    assert shards == ["tp0_ep0.pt", "tp1_ep0.pt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_2" / "optimizer").iterdir()) == shards
     _assert_ports_free(_server_urls(run_dir))
 
 

@@ -79,7 +79,11 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
         (["--train.dtype", "bf16"], "does not support train.dtype bf16 yet"),
         (
             ["--train.megatron.tensor-parallel-size", "2"],
-            "tensor_parallel_size is 2 and expert_parallel_size 1 but train.world_size is 1",
+            "tensor_parallel_size is 2, expert_parallel_size 1 and pipeline_parallel_size 1 but train.world_size is 1",
+        ),
+        (
+            ["--train.megatron.pipeline-parallel-size", "2"],
+            "pipeline_parallel_size 2 but train.world_size is 1",
         ),
     ],
 )

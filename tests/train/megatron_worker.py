@@ -1,5 +1,6 @@
 """Worker for the two-rank Megatron tests; run as a script:
-python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL[xEXPERT_PARALLEL] LAYOUT [BATCH_FILE].
+python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL[xEXPERT_PARALLEL][pPIPELINE_PARALLEL] LAYOUT
+[BATCH_FILE] (e.g. ``2``, ``1x2``, ``1p2``).
 
 Every rank: log-probs of the whole batch, forward_backward of its replica's rows with the global loss counts, full
 gradients, one optimizer step, a push into rank 0's recording sink, the full state and a checkpoint; rank 0 saves
@@ -33,10 +34,16 @@ def main(
     from miles.train import TrainConfig
     from miles.train.megatron import MegatronBackend
 
+    parallel, _, pipeline = parallel.partition("p")
+    pipeline_parallel = int(pipeline or 1)
     tensor_parallel, expert_parallel = (int(size) for size in (parallel + "x1").split("x")[:2])
     train = TrainConfig(
         backend="megatron",
-        megatron={"tensor_parallel_size": tensor_parallel, "expert_parallel_size": expert_parallel},
+        megatron={
+            "tensor_parallel_size": tensor_parallel,
+            "expert_parallel_size": expert_parallel,
+            "pipeline_parallel_size": pipeline_parallel,
+        },
         micro_batch_size=2,
         batch_layout=layout,
         lr=1e-2,
@@ -46,7 +53,9 @@ def main(
         else None,
     )
     sink = RecordingSink() if rank == 0 else None
-    backend = MegatronBackend(model_dir, train=train, temperature=1.0, weight_sink=sink)
+    # a pipeline also runs a frozen reference (the same model) through its stages
+    reference = model_dir if pipeline_parallel > 1 else None
+    backend = MegatronBackend(model_dir, train=train, temperature=1.0, weight_sink=sink, reference_path=reference)
     if train.lora is not None:
         from megatron_models import set_lora_b
 
@@ -57,9 +66,11 @@ def main(
         from miles.core.batch import TrainBatch
 
         batch = TrainBatch(**torch.load(batch_file, weights_only=True))
-    log_probs = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
-    replicas = world // tensor_parallel
-    replica = rank // tensor_parallel  # Megatron's layout: a replica's tensor-parallel ranks are consecutive
+    outputs = {"old_log_probs"} | ({"ref_log_probs"} if reference else set())
+    forwarded = backend.forward(batch, outputs=outputs)
+    log_probs = forwarded.old_log_probs
+    replicas = world // (tensor_parallel * pipeline_parallel)
+    replica = rank // (tensor_parallel * pipeline_parallel)  # a replica's ranks are consecutive
     rows = batch.batch_size // replicas
     shard = batch.slice(replica * rows, (replica + 1) * rows)
     # two accumulations before the step (the global counts in both): Megatron's gradient finalization must run once
@@ -76,6 +87,7 @@ def main(
         torch.save(
             {
                 "log_probs": log_probs,
+                "ref_log_probs": forwarded.ref_log_probs if reference else None,
                 "metrics": metrics,
                 "grads": grads,
                 "step": step,

@@ -180,13 +180,16 @@ class MilesConfig(BaseModel):
             from miles.train.megatron.lora import megatron_targets
 
             megatron_targets(lora.target_modules)  # fused q/k/v and gate/up are targeted whole
-        tensor_parallel, expert_parallel = train.megatron.tensor_parallel_size, train.megatron.expert_parallel_size
-        if train.world_size % (tensor_parallel * expert_parallel):
+        mg = train.megatron
+        tensor_parallel, expert_parallel = mg.tensor_parallel_size, mg.expert_parallel_size
+        pipeline_parallel = mg.pipeline_parallel_size
+        if train.world_size % (tensor_parallel * expert_parallel * pipeline_parallel):
             raise ValueError(
-                f"train.megatron.tensor_parallel_size is {tensor_parallel} and expert_parallel_size {expert_parallel} "
-                f"but train.world_size is {train.world_size}: the trainer's ranks are tensor_parallel_size x "
-                "data-parallel replicas, the replicas split the experts expert_parallel_size ways; pick sizes whose "
-                f"product divides {train.world_size}"
+                f"train.megatron.tensor_parallel_size is {tensor_parallel}, expert_parallel_size {expert_parallel} "
+                f"and pipeline_parallel_size {pipeline_parallel} but train.world_size is {train.world_size}: the "
+                "trainer's ranks are tensor_parallel_size x pipeline_parallel_size x data-parallel replicas, the "
+                "replicas split the experts expert_parallel_size ways; pick sizes whose product divides "
+                f"{train.world_size}"
             )
 
     def _check_qat(self) -> None:

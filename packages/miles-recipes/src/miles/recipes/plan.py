@@ -122,6 +122,8 @@ def _trainer(cfg: MilesConfig) -> list[str]:
     if train.backend == "megatron":
         mg = train.megatron
         layout = f", tensor parallel {mg.tensor_parallel_size}, expert parallel {mg.expert_parallel_size}"
+        if mg.pipeline_parallel_size > 1:
+            layout += f", pipeline parallel {mg.pipeline_parallel_size}"
     extras = [f"dtype {train.dtype}", f"{train.batch_layout} batches", f"micro_batch_size {train.micro_batch_size}"]
     if train.lora is not None:
         extras.append(f"LoRA rank {train.lora.rank} ({train.lora.sync} sync)")

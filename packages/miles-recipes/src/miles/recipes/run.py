@@ -1162,6 +1162,7 @@ def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:
                 path,
                 tensor_parallel=cfg.train.megatron.tensor_parallel_size,
                 expert_parallel=cfg.train.megatron.expert_parallel_size,
+                pipeline_parallel=cfg.train.megatron.pipeline_parallel_size,
                 key=key,
             )
         except ValueError as err:

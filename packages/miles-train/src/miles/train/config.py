@@ -61,6 +61,16 @@ class MegatronConfig(BaseModel):
         "experts through an all-gather); it must divide the experts per layer, and tensor_parallel_size x "
         "expert_parallel_size must divide train.world_size. 1 for dense models.",
     )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Pipeline stages the decoder layers are split over (Megatron pipeline parallelism: each stage "
+        "holds a consecutive run of layers, the first the embedding, the last the final norm and output layer; "
+        "activations and their gradients pass between stages point to point). It must divide the model's layers, "
+        "and tensor_parallel_size x pipeline_parallel_size must divide train.world_size: a data-parallel replica "
+        "is that many consecutive ranks. The stages run each micro-batch in turn (no 1F1B overlap yet): it splits "
+        "the model's memory, not its time. Dense models without LoRA so far.",
+    )
 
 
 BACKEND_NAMES = {"fsdp2": "FSDP2", "megatron": "Megatron"}  # train.backend -> how logs name it

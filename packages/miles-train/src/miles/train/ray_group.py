@@ -3,8 +3,8 @@
 Each actor (``TrainWorker``) is one rank of a torch.distributed group (gloo on CPU; gloo + NCCL when its bundle has
 a GPU) and owns the backend ``train.backend`` names (``FSDP2Backend``, or ``MegatronBackend``). The driver holds the
 global batch: ``forward`` and ``forward_backward`` give each data-parallel replica its contiguous rows (an FSDP2 rank
-is a replica; a Megatron replica is ``train.megatron.tensor_parallel_size`` consecutive ranks, which all get its
-rows), with the global ``LossCounts``, so the update equals one big batch on one rank (the backends' contract).
+is a replica; a Megatron replica is ``tensor_parallel_size x pipeline_parallel_size`` consecutive ranks, which all get
+its rows), with the global ``LossCounts``, so the update equals one big batch on one rank (the backends' contract).
 Weights leave from rank 0's actor through the sink its ``weight_sink_factory`` builds there, never through the
 driver.
 
@@ -267,11 +267,14 @@ class RayTrainGroup:
         self.world_size = train.world_size
         self.backend_name = train.backend
         # ranks that run the same rows: a Megatron replica's tensor-parallel ranks (consecutive, Megatron's layout)
-        self.replica_size = train.megatron.tensor_parallel_size if train.backend == "megatron" else 1
+        megatron = train.megatron
+        self.replica_size = (
+            megatron.tensor_parallel_size * megatron.pipeline_parallel_size if train.backend == "megatron" else 1
+        )
         if self.world_size % self.replica_size:
             raise ValueError(
-                f"train.world_size {self.world_size} is not a multiple of train.megatron.tensor_parallel_size "
-                f"{self.replica_size}"
+                f"train.world_size {self.world_size} is not a multiple of train.megatron.tensor_parallel_size x "
+                f"pipeline_parallel_size ({self.replica_size})"
             )
         self.weight_sink_factory = weight_sink_factory
         self._stack = contextlib.ExitStack()

@@ -8,7 +8,10 @@ data-parallel replicas get their own rows and Megatron's ``DistributedDataParall
 MoE models (Qwen3-MoE, DeepSeek-V3 / Kimi K2) replay the engine's routing (R3) when the batch carries it: each
 router's top-k is the recorded experts where a token has them, with gating weights from the live logits
 (``RecordedTopK``). LoRA sits on Megatron's fused linears (``miles.train.megatron.lora``; dense models, no dropout).
-Pipeline and context parallelism, LoRA on MoE models, a critic and vision-language models are not wired in yet.
+With ``pipeline_parallel_size`` > 1 each replica's ranks form stages holding consecutive layers (dense models
+without LoRA): a micro-batch's activations pass from stage to stage and its log-probs come back from the last one
+(``PipelineStage``; the stages take turns, no 1F1B overlap yet).
+Context parallelism, LoRA on MoE models, a critic and vision-language models are not wired in yet.
 """
 
 from __future__ import annotations
@@ -40,7 +43,12 @@ from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from miles.train.fsdp2.state import write_model_dir
 from miles.train.megatron import convert
 from miles.train.megatron import lora as megatron_lora
-from miles.train.megatron.cpu import apply_if_no_gpu, local_mla_spec, tag_mla_down_projections
+from miles.train.megatron.cpu import (
+    apply_if_no_gpu,
+    local_mla_spec,
+    pipeline_embedding_sync_skipped,
+    tag_mla_down_projections,
+)
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -53,32 +61,38 @@ for _message in (r".*(Apex|Transformer Engine).* not installed", r"full scope is
 BLOCK_DIAGONAL_MASK = "miles_block_diagonal_mask"  # what CausalLMView attends with (see its docstring)
 
 
-def init_parallel_state(tensor_parallel: int, expert_parallel: int = 1) -> None:
-    """Megatron's ``parallel_state`` over the current process group with ``tensor_parallel`` ranks per replica and
-    each MoE layer's experts split over ``expert_parallel`` ranks (re-initialized when an earlier backend in this
-    process used other sizes); seeds Megatron's RNG tracker.
+def init_parallel_state(tensor_parallel: int, expert_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+    """Megatron's ``parallel_state`` over the current process group with ``tensor_parallel`` x ``pipeline_parallel``
+    ranks per replica (consecutive: rank order tp-cp-ep-pp-dp, so a replica is one block of ranks) and each MoE
+    layer's experts split over ``expert_parallel`` ranks (re-initialized when an earlier backend in this process used
+    other sizes); seeds Megatron's RNG tracker.
 
-    Raises: ValueError when the world size is not a multiple of ``tensor_parallel * expert_parallel``.
+    Raises: ValueError when the world size is not a multiple of the three sizes' product.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
-    if world % (tensor_parallel * expert_parallel):
+    if world % (tensor_parallel * expert_parallel * pipeline_parallel):
         raise ValueError(
-            f"train.megatron.tensor_parallel_size {tensor_parallel} x expert_parallel_size {expert_parallel} must "
-            f"divide the trainer's world size {world} (train.world_size): world = tensor_parallel_size x data-parallel "
-            "replicas, and the replicas hold the experts split expert_parallel_size ways"
+            f"train.megatron.tensor_parallel_size {tensor_parallel} x expert_parallel_size {expert_parallel} x "
+            f"pipeline_parallel_size {pipeline_parallel} must divide the trainer's world size {world} "
+            "(train.world_size): world = tensor_parallel_size x pipeline_parallel_size x data-parallel replicas, and "
+            "the replicas hold the experts split expert_parallel_size ways"
         )
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),
-        ) == (tensor_parallel, expert_parallel):
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        ) == (tensor_parallel, expert_parallel, pipeline_parallel):
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel
+        tensor_model_parallel_size=tensor_parallel,
+        expert_model_parallel_size=expert_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        order="tp-cp-ep-pp-dp",  # a replica's ranks consecutive (Megatron's default puts pp last)
     )
     rng = torch.get_rng_state()
     model_parallel_cuda_manual_seed(1234)  # dropout is off: the tracker only has to exist; keep the run's RNG
@@ -238,12 +252,134 @@ class CausalLMView:
         for rope in ropes:  # each packed sequence rotated from its own position 0, as the engine rotates it
             rope.forward = _rope_at(rope, position_ids)
         try:
-            return self.model(input_ids, position_ids, masked)[..., : self.vocab_size]  # [B, L, V]
+            out = self.model(input_ids, position_ids, masked)
+            if not getattr(self.gpt, "post_process", True):  # a pipeline stage before the last: hidden states
+                raise StageOutput(out)
+            return out[..., : self.vocab_size]  # [B, L, V]
         finally:
             for router in self.routers.values():
                 router.router_replay = None
             for rope in ropes:
                 del rope.forward  # the class's forward again
+
+
+class StageOutput(Exception):  # noqa: N818 (control flow, not an error)
+    """What ``CausalLMView`` raises on a pipeline stage before the last, after its layers ran: the stage's output
+    hidden states ``hidden`` ([S, B, H], S this rank's sequence chunk under sequence parallelism), which the next
+    stage takes as input. Raising lets the log-prob functions build the stage's call exactly as on the last stage."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        super().__init__("pipeline stage output")
+        self.hidden = hidden
+
+
+class PipelineStage:
+    """One micro-batch's forward (and backward) through this rank's pipeline stage, the activations passed point to
+    point to the next stage (and their gradients back), the log-probs computed on the last stage and broadcast to
+    every stage, so each rank sees the same [B, T] outputs and computes the same loss.
+
+    ``run(log_probs)`` returns the last stage's outputs; with grad enabled they are tied to this rank's layers by an
+    autograd function whose backward runs the stage's backward: the last stage backpropagates the loss's gradient
+    through its layers, every other stage the gradient its successor sends, then sends its input's gradient to its
+    predecessor. Collective over the pipeline-parallel group (every stage must run the same micro-batches in the same
+    order). The stages take turns (no 1F1B overlap): correct, memory split, not faster.
+
+    Args:
+        gpt: the stage's ``GPTModel`` (pre_process on the first stage, post_process on the last).
+    """
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        from megatron.core import parallel_state
+
+        self.gpt = gpt
+        self.group = parallel_state.get_pipeline_model_parallel_group()
+        self.first = parallel_state.is_pipeline_first_stage()
+        self.last = parallel_state.is_pipeline_last_stage()
+        self.prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
+        self.next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
+        self.last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        self._input: Tensor | None = None
+        self._outputs: list[Tensor] = []
+
+    def run(self, log_probs: Any, num_outputs: int) -> list[Tensor]:
+        """``log_probs()`` (a log-prob function calling a ``CausalLMView`` of ``gpt``) through the pipeline; returns
+        its first ``num_outputs`` results as the last stage computed them (detached, or tied to the stage's backward
+        when grad is enabled)."""
+        if not torch.is_grad_enabled():
+            return list(self._forward(log_probs, num_outputs, grad=False))
+        anchor = torch.zeros((), requires_grad=True)  # makes the autograd function part of the loss's graph
+        return list(_StageFunction.apply(anchor, self, log_probs, num_outputs))
+
+    def _forward(self, log_probs: Any, num_outputs: int, *, grad: bool) -> tuple[Tensor, ...]:
+        with torch.set_grad_enabled(grad):
+            if not self.first:
+                self._input = _recv(self.prev_rank).requires_grad_(grad)
+                self.gpt.set_input_tensor(self._input)
+            try:
+                outputs = log_probs()[:num_outputs]
+                self._outputs = list(outputs)
+            except StageOutput as stage:
+                self._outputs = [stage.hidden]
+                _send(stage.hidden.detach(), self.next_rank)
+                outputs = None
+            finally:
+                self.gpt.set_input_tensor(None)
+        results = []
+        for i in range(num_outputs):  # the last stage's outputs, to every stage
+            shape = torch.tensor(outputs[i].shape if self.last else (0, 0))
+            dist.broadcast(shape, src=self.last_rank, group=self.group)
+            value = outputs[i].detach().clone() if self.last else torch.empty(shape.tolist())
+            dist.broadcast(value, src=self.last_rank, group=self.group)
+            results.append(value)
+        if not grad:
+            self._input, self._outputs = None, []
+        return tuple(results)
+
+    def backward(self, grads: tuple[Tensor | None, ...]) -> None:
+        """The stage's backward for one micro-batch (see the class docstring); frees what its forward kept."""
+        if self.last:
+            pairs = [(out, g) for out, g in zip(self._outputs, grads, strict=True) if g is not None]
+            if pairs:
+                torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
+        else:
+            (hidden,) = self._outputs
+            torch.autograd.backward(hidden, _recv(self.next_rank))
+        if not self.first:
+            grad = self._input.grad if self._input.grad is not None else torch.zeros_like(self._input)
+            _send(grad, self.prev_rank)
+        self._input, self._outputs = None, []
+
+
+class _StageFunction(torch.autograd.Function):
+    """``PipelineStage.run`` as an autograd node: forward runs the stage, backward the stage's backward."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, stage: PipelineStage, log_probs: Any, num_outputs: int) -> tuple[Tensor, ...]:
+        ctx.stage = stage
+        ctx.set_materialize_grads(False)
+        return stage._forward(log_probs, num_outputs, grad=True)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[None, ...]:
+        ctx.stage.backward(grads)
+        return None, None, None, None
+
+
+def _send(tensor: Tensor, rank: int) -> None:
+    """A float32 tensor of any shape to global ``rank``: its shape first, then its values."""
+    header = torch.zeros(4, dtype=torch.int64)
+    header[0], header[1 : 1 + tensor.dim()] = tensor.dim(), torch.tensor(tensor.shape)
+    dist.send(header, dst=rank)
+    dist.send(tensor.contiguous().float(), dst=rank)
+
+
+def _recv(rank: int) -> Tensor:
+    """What ``_send`` on global ``rank`` sent (up to 3 dimensions: hidden states and their gradients)."""
+    header = torch.zeros(4, dtype=torch.int64)
+    dist.recv(header, src=rank)
+    tensor = torch.empty(header[1 : 1 + int(header[0])].tolist())
+    dist.recv(tensor, src=rank)
+    return tensor
 
 
 def _rotary_tables(gpt: torch.nn.Module) -> list[torch.nn.Module]:
@@ -318,7 +454,15 @@ class MegatronBackend:
         self.cpu_compat = apply_if_no_gpu()
         self.tensor_parallel = train.megatron.tensor_parallel_size
         self.expert_parallel = train.megatron.expert_parallel_size
-        init_parallel_state(self.tensor_parallel, self.expert_parallel)
+        self.pipeline_parallel = train.megatron.pipeline_parallel_size
+        if self.pipeline_parallel > 1 and lora is not None:
+            raise ValueError(
+                "train.backend megatron does not support train.lora with pipeline_parallel_size > 1 yet; use "
+                "--train.megatron.pipeline-parallel-size 1 or --train.lora off"
+            )
+        init_parallel_state(self.tensor_parallel, self.expert_parallel, self.pipeline_parallel)
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
@@ -389,6 +533,7 @@ class MegatronBackend:
                 hf_config,
                 tensor_parallel=self.tensor_parallel,
                 expert_parallel=self.expert_parallel,
+                pipeline_parallel=self.pipeline_parallel,
                 dtype=torch.float32,
             )
         )
@@ -397,11 +542,14 @@ class MegatronBackend:
         if convert.is_mla(hf_config):  # MLA without Transformer Engine
             spec = local_mla_spec(spec, tensor_parallel=self.tensor_parallel)
         rng = torch.get_rng_state()  # Megatron's init draws are overwritten by the HF weights; keep the run's RNG
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            **convert.gpt_model_kwargs(hf_config, tensor_parallel=self.tensor_parallel),
-        )
+        with pipeline_embedding_sync_skipped():
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                pre_process=self.pp_rank == 0,
+                post_process=self.pp_rank == self.pipeline_parallel - 1,
+                **convert.gpt_model_kwargs(hf_config, tensor_parallel=self.tensor_parallel),
+            )
         torch.set_rng_state(rng)
         if convert.is_mla(hf_config):
             tag_mla_down_projections(model)
@@ -419,9 +567,12 @@ class MegatronBackend:
         params = {name.replace(".base_layer.", "."): p for name, p in _weights(model)
                   if not name.endswith((".lora_A", ".lora_B"))}  # fmt: skip
         offset = self.ep_rank * convert.num_experts(hf_config) // self.expert_parallel
-        wanted = {name: convert.global_expert_name(name, offset) for name in params}
+        wanted = {name: convert.global_expert_name(self._global_name(name, model), offset) for name in params}
         missing = sorted(g for g in wanted.values() if g not in full)
-        unexpected = sorted(set(full) - set(wanted.values()) - {n for n in full if convert.is_expert_name(n)})
+        unexpected = sorted(
+            n for n in set(full) - set(wanted.values())
+            if not convert.is_expert_name(n) and self._stage_holds(n, model)
+        )  # fmt: skip
         if missing or unexpected:
             raise ValueError(
                 f"train.backend megatron: converted weights do not match the Megatron model: missing {missing[:3]}, "
@@ -431,6 +582,67 @@ class MegatronBackend:
             for name, param in params.items():
                 rank, world, _ = self._tp_layout(name)
                 param.copy_(convert.shard_of(full[wanted[name]], param, rank=rank, world=world))
+
+    def _global_name(self, name: str, model: torch.nn.Module | None = None) -> str:
+        """A stage's parameter name as the whole model names it: its decoder layers numbered from the stage's first
+        layer's global index, and (tied embeddings) the last stage's copy of the output weight as the embedding it
+        mirrors. Unchanged without pipeline parallelism."""
+        if self.pipeline_parallel == 1:
+            return name
+        gpt = self.gpt if model is None else model
+        if name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
+            return "embedding.word_embeddings.weight"
+        if name.startswith("decoder.layers."):
+            index, rest = name.removeprefix("decoder.layers.").split(".", 1)
+            return f"decoder.layers.{int(index) + self._layer_offset(gpt)}.{rest}"
+        return name
+
+    def _layer_offset(self, gpt: torch.nn.Module) -> int:
+        """Global index of this stage's first decoder layer (stages hold equal runs of layers)."""
+        return self.pp_rank * gpt.config.num_layers // self.pipeline_parallel
+
+    def _stage_holds(self, name: str, model: torch.nn.Module) -> bool:
+        """Whether this pipeline stage holds the whole model's Megatron tensor ``name``."""
+        if self.pipeline_parallel == 1:
+            return True
+        if name.startswith("decoder.layers."):
+            first = self._layer_offset(model)
+            return first <= int(name.split(".")[2]) < first + model.config.num_layers // self.pipeline_parallel
+        if name.startswith("embedding."):
+            return model.pre_process
+        return model.post_process  # the final norm and output layer
+
+    def _tied_copy(self, name: str) -> bool:
+        """The last stage's copy of a tied embedding (kept equal by Megatron's embedding-group gradient sum): the
+        first stage's embedding is the one exported, checkpointed and counted in the gradient norm."""
+        return self.pipeline_parallel > 1 and name == "output_layer.weight" and not self.gpt.pre_process and (
+            self.gpt.share_embeddings_and_output_weights
+        )  # fmt: skip
+
+    def _across_stages(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """Every pipeline stage's full tensors (this stage's from ``named``: local names, full tensors) under the
+        whole model's names, stage by stage, on every rank: each stage broadcasts its names and tensors over the
+        pipeline group, one at a time. Collective over it; without pipeline parallelism ``named`` renamed as is."""
+        local = ((self._global_name(n), t) for n, t in named if not self._tied_copy(n))
+        if self.pipeline_parallel == 1:
+            yield from local
+            return
+        from megatron.core import parallel_state
+
+        ranks = parallel_state.get_pipeline_model_parallel_group()
+        stage_ranks = dist.get_process_group_ranks(ranks)
+        for stage, src in enumerate(stage_ranks):
+            mine = stage == self.pp_rank
+            while True:
+                item = next(local, None) if mine else None
+                header = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
+                dist.broadcast_object_list(header, src=src, group=self.pp_group)
+                if header[0] is None:
+                    break
+                name, shape, dtype = header[0]
+                tensor = item[1].detach().contiguous() if mine else torch.empty(shape, dtype=dtype)
+                dist.broadcast(tensor, src=src, group=self.pp_group)
+                yield name, tensor
 
     def _tp_layout(self, name: str) -> tuple[int, int, Any]:
         """(rank, size, group) of the ranks parameter ``name`` is tensor-parallel over: an expert's over the
@@ -455,15 +667,22 @@ class MegatronBackend:
         log_probs_fn = packed_model_response_log_probs if packed else model_response_log_probs
         gpt = self.gpt if model is self.model else model
         routed = token_routing(mb, packed=packed) if mb.routed_experts is not None and self._replays(gpt) else None
-        return log_probs_fn(
-            CausalLMView(model, gpt.hf_vocab_size, gpt=gpt, routed=routed),
-            mb.tokens,
-            mb.attention_mask,
-            mb.prompt_lengths,
-            num_response_columns=mb.loss_mask.shape[1],
-            temperature=self.temperature if temperature is None else temperature,
-            with_entropy=with_entropy,
-        )
+
+        def log_probs() -> tuple[Tensor, Tensor | None]:
+            return log_probs_fn(
+                CausalLMView(model, gpt.hf_vocab_size, gpt=gpt, routed=routed),
+                mb.tokens,
+                mb.attention_mask,
+                mb.prompt_lengths,
+                num_response_columns=mb.loss_mask.shape[1],
+                temperature=self.temperature if temperature is None else temperature,
+                with_entropy=with_entropy,
+            )
+
+        if self.pipeline_parallel == 1:
+            return log_probs()
+        outputs = PipelineStage(gpt).run(log_probs, num_outputs=2 if with_entropy else 1)
+        return outputs[0], outputs[1] if with_entropy else None
 
     def _replays(self, gpt: torch.nn.Module) -> bool:
         """R3: the policy replays the engine's routing, and a reference with the same MoE layout; a teacher (or a
@@ -541,11 +760,12 @@ class MegatronBackend:
 
     def _clip_grads(self, max_norm: float) -> Tensor:
         """Global L2 norm of the gradients (each tensor-parallel shard once, replicated parameters once), then scale
-        them to at most ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does. Collective over the TP group."""
+        them to at most ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does (a tied embedding once, on the first
+        pipeline stage). Collective over the tensor- and pipeline-parallel ranks."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        named = [(n, p) for n, p in self.gpt.named_parameters() if p.grad is not None]
+        named = [(n, p) for n, p in self.gpt.named_parameters() if p.grad is not None and not self._tied_copy(n)]
         grads = [p.grad for _, p in named]
         # dense: each tensor-parallel shard once (replicated parameters on TP rank 0), summed over the TP ranks;
         # experts: every rank's own (split over expert-parallel and expert-tensor-parallel ranks), summed over both
@@ -557,7 +777,7 @@ class MegatronBackend:
                     experts = experts + p.grad.float().pow(2).sum()
             elif param_is_not_tensor_parallel_duplicate(p):
                 dense = dense + p.grad.float().pow(2).sum()
-        dist.all_reduce(dense, group=self.tp_group)
+        dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())  # tensor- and pipeline-parallel
         dist.all_reduce(experts, group=parallel_state.get_expert_tensor_and_model_parallel_group())
         norm = (dense + experts).sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -601,8 +821,8 @@ class MegatronBackend:
         if self.lora_layers:  # the adapters' gradients, Megatron names (they have no HF names)
             grads = ((name, p.main_grad) for name, p in self.gpt.named_parameters() if p.requires_grad)
             return {name: t.clone() for name, t in self._gathered(grads)}
-        grads = ((name, p.main_grad) for name, p in self.gpt.named_parameters())
-        return {name: t.clone() for name, t in convert.megatron_to_hf(self._gathered(grads), self.hf_config)}
+        grads = self._across_stages(self._gathered((name, p.main_grad) for name, p in self.gpt.named_parameters()))
+        return {name: t.clone() for name, t in convert.megatron_to_hf(grads, self.hf_config)}
 
     # -- weights and checkpoints ----------------------------------------------------------------
     def _gathered(
@@ -641,8 +861,10 @@ class MegatronBackend:
         elif self.lora_layers:
             stream = self._merged_hf()
         else:
-            stream = convert.megatron_to_hf(self._gathered(_weights(self.gpt)), self.hf_config)
-        if self.tensor_parallel == 1 and not (self.lora_layers and self.train_cfg.lora.sync == "merged"):
+            stream = convert.megatron_to_hf(self._across_stages(self._gathered(_weights(self.gpt))), self.hf_config)
+        if self.tensor_parallel == self.pipeline_parallel == 1 and not (
+            self.lora_layers and self.train_cfg.lora.sync == "merged"
+        ):
             return list(stream)  # views of the live parameters (or small adapters): a sender may resend it
         return stream  # merged LoRA weights are new tensors: one at a time, never the whole model at once
 
@@ -688,7 +910,8 @@ class MegatronBackend:
             drain_weights(named)
 
     def save(self, path: Path) -> None:
-        """Write ``model/`` (HF directory: config, safetensors; rank 0), ``optimizer/tp{T}_ep{E}.pt`` (the AdamW and
+        """Write ``model/`` (HF directory: config, safetensors; rank 0), ``optimizer/tp{T}_ep{E}.pt`` (with pipeline
+        parallelism ``tp{T}_pp{P}_ep{E}.pt``; the AdamW and
         LR-schedule state of each tensor- and expert-parallel position, written by the first rank holding it) and
         ``trainer_state.json``.
         Collective; returns once every rank has written.
@@ -735,6 +958,7 @@ class MegatronBackend:
             "skipped_steps": self.num_skipped_steps,
             "tensor_parallel_size": self.tensor_parallel,
             "expert_parallel_size": self.expert_parallel,
+            "pipeline_parallel_size": self.pipeline_parallel,
         }
         (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
@@ -778,7 +1002,8 @@ class MegatronBackend:
 
     @property
     def _optimizer_file(self) -> str:
-        return f"tp{self.tp_rank}_ep{self.ep_rank}.pt"
+        stage = f"_pp{self.pp_rank}" if self.pipeline_parallel > 1 else ""
+        return f"tp{self.tp_rank}{stage}_ep{self.ep_rank}.pt"
 
     def load(self, path: Path) -> None:
         """Restore weights, optimizer, schedule and step from ``save``'s layout.
@@ -793,7 +1018,11 @@ class MegatronBackend:
                 f"{path} holds no Megatron optimizer state (optimizer/): it was written by another backend; resume "
                 "it with the backend that wrote it (train.backend)"
             )
-        sizes = (("tensor_parallel_size", self.tensor_parallel), ("expert_parallel_size", self.expert_parallel))
+        sizes = (
+            ("tensor_parallel_size", self.tensor_parallel),
+            ("expert_parallel_size", self.expert_parallel),
+            ("pipeline_parallel_size", self.pipeline_parallel),
+        )
         for key, size in sizes:
             saved = trainer_state.get(key, 1)
             if saved != size:

@@ -202,7 +202,9 @@ def moe_layers(hf_config: Any) -> list[int]:
     return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
 
 
-def check_model_dir(path: Any, *, tensor_parallel: int, expert_parallel: int, key: str) -> None:
+def check_model_dir(
+    path: Any, *, tensor_parallel: int, expert_parallel: int, key: str, pipeline_parallel: int = 1
+) -> None:
     """Check, from its ``config.json`` alone, that the HF model at ``path`` converts with these parallel sizes, and
     that megatron-core is installed: what would otherwise fail only once the trainer builds.
 
@@ -222,6 +224,7 @@ def check_model_dir(path: Any, *, tensor_parallel: int, expert_parallel: int, ke
             AutoConfig.from_pretrained(path),
             tensor_parallel=tensor_parallel,
             expert_parallel=expert_parallel,
+            pipeline_parallel=pipeline_parallel,
             dtype=torch.float32,
         )
     except ValueError as err:
@@ -244,13 +247,14 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 
 def transformer_config_kwargs(
-    hf_config: Any, *, tensor_parallel: int, dtype: torch.dtype, expert_parallel: int = 1
+    hf_config: Any, *, tensor_parallel: int, dtype: torch.dtype, expert_parallel: int = 1, pipeline_parallel: int = 1
 ) -> dict[str, Any]:
     """Keyword arguments of Megatron's ``TransformerConfig`` equal to ``hf_config``'s architecture.
 
     Dropout is 0 (RL log-probs must equal the engine's) and every fused kernel is off: the CPU path has none, and the
-    unfused ones compute the same function. Raises: ValueError as ``check_supported``, and for a tensor- or
-    expert-parallel size that does not divide the heads or the experts.
+    unfused ones compute the same function. Raises: ValueError as ``check_supported``, for a tensor- or
+    expert-parallel size that does not divide the heads or the experts, for a pipeline-parallel size that does not
+    divide the layers, and for a pipeline of an MoE model (not wired yet).
     """
     check_supported(hf_config)
     experts = num_experts(hf_config)
@@ -265,8 +269,22 @@ def transformer_config_kwargs(
             f"train.megatron.tensor_parallel_size {tensor_parallel} must divide the model's attention heads ({heads}) "
             f"and key/value heads ({groups}); pick a divisor of both"
         )
+    layers = hf_config.num_hidden_layers
+    if pipeline_parallel > 1 and layers % pipeline_parallel:
+        raise ValueError(
+            f"train.megatron.pipeline_parallel_size {pipeline_parallel} must divide the model's layers ({layers}): "
+            "each stage holds as many; pick a divisor"
+        )
+    if pipeline_parallel > 1 and experts:
+        raise ValueError(
+            f"train.megatron.pipeline_parallel_size {pipeline_parallel} with an MoE model is not supported yet; "
+            "use --train.megatron.pipeline-parallel-size 1 (tensor / expert parallelism split it instead)"
+        )
+    pipeline = (
+        {"pipeline_model_parallel_size": pipeline_parallel, "pipeline_dtype": dtype} if pipeline_parallel > 1 else {}
+    )
     return dict(
-        num_layers=hf_config.num_hidden_layers,
+        num_layers=layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=heads,
@@ -285,6 +303,7 @@ def transformer_config_kwargs(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
+        **pipeline,
         # Megatron's MoE layers need sequence parallelism at tensor parallelism > 1
         # (and MLA's, whose whole-weight down-projections see each rank's sequence chunk: see cpu.py)
         sequence_parallel=(is_moe(hf_config) or is_mla(hf_config)) and tensor_parallel > 1,

@@ -37,6 +37,14 @@ One more fills a gap of Megatron's local (no Transformer Engine) layer spec for 
    module imports without it (its TE classes become mock objects), so MLA's import check passes and its
    ``isinstance(linear_proj, TELinear)`` then raises a TypeError.
 
+One more applies while a pipeline stage's ``GPTModel`` is built (``pipeline_embedding_sync_skipped``):
+
+8. With tied embeddings and pipeline parallelism, ``LanguageModule.setup_embeddings_and_output_layer`` copies the
+   first stage's embedding into the last stage's output weight by an all-reduce of ``weight.data.cuda()``, which
+   raises on a CPU-only torch. The copy is skipped (``_is_in_embd_group`` answers False during the build): the
+   backend loads the HF embedding into both stages right after, which is the same copy. Megatron's gradient sum
+   over the embedding group (``finalize_model_grads``) is untouched.
+
 Nothing else is touched: the model, its parallel layers, collectives (gloo), DDP and ``finalize_model_grads`` are
 Megatron's own code.
 """
@@ -212,3 +220,20 @@ def tag_mla_down_projections(model) -> None:
     for name, param in model.named_parameters():
         if name.endswith(MLA_DOWN_PROJECTIONS) and not getattr(param, "tensor_model_parallel", False):
             param.sequence_parallel = True
+
+
+@contextlib.contextmanager
+def pipeline_embedding_sync_skipped() -> Iterator[None]:
+    """While a ``GPTModel`` is built without a GPU: skip its initial embedding copy to the last pipeline stage
+    (item 8 above; the caller loads both stages' weights). Nothing changes with a GPU or outside the block."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule._is_in_embd_group
+    LanguageModule._is_in_embd_group = lambda self: False
+    try:
+        yield
+    finally:
+        LanguageModule._is_in_embd_group = original
