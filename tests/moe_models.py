@@ -94,12 +94,12 @@ def make_moe_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return model.eval()
 
 
-def save_moe_model(family: str, path: Path, seed: int = 0, tokenizer=None) -> Path:
-    """``make_moe_model`` saved as an HF model directory at ``path``; with ``tokenizer``, sized for it (vocabulary,
-    special ids) and saved beside it, so the ``miles`` CLI runs it on chat-template prompts."""
-    overrides = {}
+def save_moe_model(family: str, path: Path, seed: int = 0, tokenizer=None, **overrides) -> Path:
+    """``make_moe_model`` saved as an HF model directory at ``path`` (``overrides``: config fields); with
+    ``tokenizer``, sized for it (vocabulary, special ids) and saved beside it, so the ``miles`` CLI runs it on
+    chat-template prompts."""
     if tokenizer is not None:
-        overrides = dict(
+        overrides |= dict(
             vocab_size=len(tokenizer),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,

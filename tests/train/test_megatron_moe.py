@@ -153,6 +153,28 @@ def test_two_ranks_replaying_the_engines_routing_equal_one_rank(moe_dir, rollout
     checkpoint's optimizer files equal / match one rank's. DeepSeek-V3 at TP=2 is the regression test of MLA's
     down-projections (``miles.train.megatron.cpu``, 6.): with the local spec's column-parallel ones the rotary key's
     gradient was each rank's heads' part only (kv_a_proj_with_mqa's gradient 4.8e-4 off of 0.05, measured)."""
+    expected = {"2": {"tp0_ep0.pt", "tp1_ep0.pt"}, "1x2": {"tp0_ep0.pt", "tp0_ep1.pt"}}[parallel]
+    _two_ranks_equal_one_rank(moe_dir, rollout, tmp_path, parallel, expected)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def four_layer_moe_dir(request, tmp_path_factory):
+    """The tiny model of the family with 4 decoder layers (layer 0 dense), so 2 pipeline stages hold 2 each."""
+    return save_moe_model(request.param, tmp_path_factory.mktemp(f"four_{request.param}"), num_hidden_layers=4)
+
+
+@pytest.mark.integration
+def test_two_pipeline_stages_replaying_the_engines_routing_equal_one_rank(four_layer_moe_dir, tmp_path):
+    """PP=2 on the MoE model (stage 0: the dense layer 0 and MoE layer 1, stage 1: MoE layers 2-3), each stage's
+    routers replaying the engine's routing of their own (global) layers, a reference through the same stages:
+    log-probs, metrics, gradients, a step and a checkpoint per stage equal / match one rank's."""
+    rollout = build_train_batch(engine_rollout(four_layer_moe_dir), torch.tensor([1.0, -1.0] * 4), pad_token_id=0)
+    assert rollout.routed_experts.shape[-2] == 4
+    _two_ranks_equal_one_rank(four_layer_moe_dir, rollout, tmp_path, "1p2", {"tp0_pp0_ep0.pt", "tp0_pp1_ep0.pt"})
+
+
+def _two_ranks_equal_one_rank(moe_dir, rollout, tmp_path, parallel: str, expected: set[str]) -> None:
+    """Run ``megatron_worker.py`` on 2 ranks with ``parallel`` and check it against one rank (see the callers)."""
     batch_file = tmp_path / "batch.pt"
     batch = rollout.replace(old_log_probs=rollout.rollout_log_probs)
     torch.save({f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}, batch_file)
@@ -180,7 +202,6 @@ def test_two_ranks_replaying_the_engines_routing_equal_one_rank(moe_dir, rollout
     for name, tensor in single.full_state_dict().items():
         torch.testing.assert_close(result["state"][name], tensor, atol=1e-5, rtol=0, msg=name)
         assert torch.equal(result["pushed"][name], result["state"][name]), name  # every expert pushed, in place
-    expected = {"2": {"tp0_ep0.pt", "tp1_ep0.pt"}, "1x2": {"tp0_ep0.pt", "tp0_ep1.pt"}}[parallel]
     assert {p.name for p in (Path(str(out) + ".ckpt") / "optimizer").iterdir()} == expected
 
 

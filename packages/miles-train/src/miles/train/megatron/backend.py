@@ -8,8 +8,8 @@ data-parallel replicas get their own rows and Megatron's ``DistributedDataParall
 MoE models (Qwen3-MoE, DeepSeek-V3 / Kimi K2) replay the engine's routing (R3) when the batch carries it: each
 router's top-k is the recorded experts where a token has them, with gating weights from the live logits
 (``RecordedTopK``). LoRA sits on Megatron's fused linears (``miles.train.megatron.lora``; dense models, no dropout).
-With ``pipeline_parallel_size`` > 1 each replica's ranks form stages holding consecutive layers (dense models
-without LoRA): a micro-batch's activations pass from stage to stage and its log-probs come back from the last one
+With ``pipeline_parallel_size`` > 1 each replica's ranks form stages holding consecutive layers (not yet with LoRA
+or expert parallelism; MoE stages replay the routing of their own layers): a micro-batch's activations pass from stage to stage and its log-probs come back from the last one
 (``PipelineStage``; the stages take turns, no 1F1B overlap yet).
 Context parallelism, LoRA on MoE models, a critic and vision-language models are not wired in yet.
 """
@@ -127,8 +127,9 @@ class RecordedTopK:
 
 
 def megatron_routers(gpt: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """Decoder layer index (0-based) -> the ``TopKRouter`` of that MoE layer; empty for a dense model."""
-    return {i: layer.mlp.router for i, layer in enumerate(gpt.decoder.layers) if hasattr(layer.mlp, "router")}
+    """Decoder layer index (0-based, in the whole model: a pipeline stage's layers keep their global numbers) -> the
+    ``TopKRouter`` of that MoE layer held here; empty for a dense model (or stage)."""
+    return {layer.layer_number - 1: layer.mlp.router for layer in gpt.decoder.layers if hasattr(layer.mlp, "router")}
 
 
 class CausalLMView:
@@ -173,7 +174,7 @@ class CausalLMView:
 
     def _check_routing(self, routed: Tensor) -> None:
         config = self.gpt.config
-        if not self.routers:
+        if not getattr(config, "num_moe_experts", None):  # (a pipeline stage may hold dense layers only)
             raise ValueError("routing replay: the batch carries routed experts but the model has no MoE router")
         expected = (config.num_layers, config.moe_router_topk)
         if routed.dim() != 3 or tuple(routed.shape[1:]) != expected:
@@ -692,7 +693,7 @@ class MegatronBackend:
         if gpt is not self.ref_model:
             return False
         shape = lambda m: (m.config.num_layers, m.config.moe_router_topk, tuple(megatron_routers(m)))  # noqa: E731
-        return bool(megatron_routers(gpt)) and shape(gpt) == shape(self.gpt)
+        return bool(getattr(gpt.config, "num_moe_experts", None)) and shape(gpt) == shape(self.gpt)
 
     @torch.no_grad()
     def forward(self, batch: TrainBatch, *, outputs: Collection[str]) -> TrainBatch:
@@ -779,6 +780,8 @@ class MegatronBackend:
                 dense = dense + p.grad.float().pow(2).sum()
         dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())  # tensor- and pipeline-parallel
         dist.all_reduce(experts, group=parallel_state.get_expert_tensor_and_model_parallel_group())
+        if self.pipeline_parallel > 1:  # each stage's experts
+            dist.all_reduce(experts, group=self.pp_group)
         norm = (dense + experts).sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:

@@ -254,7 +254,7 @@ def transformer_config_kwargs(
     Dropout is 0 (RL log-probs must equal the engine's) and every fused kernel is off: the CPU path has none, and the
     unfused ones compute the same function. Raises: ValueError as ``check_supported``, for a tensor- or
     expert-parallel size that does not divide the heads or the experts, for a pipeline-parallel size that does not
-    divide the layers, and for a pipeline of an MoE model (not wired yet).
+    divide the layers, and for pipeline and expert parallelism together (not wired yet).
     """
     check_supported(hf_config)
     experts = num_experts(hf_config)
@@ -275,10 +275,11 @@ def transformer_config_kwargs(
             f"train.megatron.pipeline_parallel_size {pipeline_parallel} must divide the model's layers ({layers}): "
             "each stage holds as many; pick a divisor"
         )
-    if pipeline_parallel > 1 and experts:
+    if pipeline_parallel > 1 and expert_parallel > 1:
         raise ValueError(
-            f"train.megatron.pipeline_parallel_size {pipeline_parallel} with an MoE model is not supported yet; "
-            "use --train.megatron.pipeline-parallel-size 1 (tensor / expert parallelism split it instead)"
+            f"train.megatron.pipeline_parallel_size {pipeline_parallel} with expert_parallel_size {expert_parallel} "
+            "is not supported yet (a replica's ranks are consecutive, Megatron then needs as many expert- as "
+            "data-parallel ranks); use one of them"
         )
     pipeline = (
         {"pipeline_model_parallel_size": pipeline_parallel, "pipeline_dtype": dtype} if pipeline_parallel > 1 else {}
