@@ -42,12 +42,15 @@ def save_tiny(path: Path, model_type: str, seed: int = 0) -> Path:
 
 
 def set_lora_b(backend, seed: int = 0, scale: float = 0.05) -> None:
-    """Give every LoRA B of a Megatron backend the same random full tensor whatever its tensor-parallel size (each
-    rank its shard), so the adapters act and A gets gradients."""
+    """Give every LoRA B of a Megatron backend the same random full tensor whatever its tensor- and pipeline-parallel
+    sizes (each rank its shard; each layer's drawn from its whole-model name), so the adapters act and A gets
+    gradients."""
+    import zlib
+
     from miles.train.megatron.convert import shard_of
 
-    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, layer in sorted(backend.lora_layers.items()):
+        for module, layer in backend.lora_layers.items():
+            g = torch.Generator().manual_seed(seed + zlib.crc32(backend._global_name(module).encode()))
             full = scale * torch.randn(layer.base_layer.output_size, layer.lora_B.shape[1], generator=g)
             layer.lora_B.copy_(shard_of(full, layer.lora_B, rank=backend.tp_rank, world=backend.tensor_parallel))

@@ -3,7 +3,8 @@ python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL[xEXPERT
 [BATCH_FILE] (e.g. ``2``, ``1x2``, ``1p2``).
 
 Every rank: log-probs of the whole batch, forward_backward of its replica's rows with the global loss counts, full
-gradients, one optimizer step, a push into rank 0's recording sink, the full state and a checkpoint; rank 0 saves
+gradients, one optimizer step, a push into rank 0's recording sink, the full state, a checkpoint and its load (the
+full state again); rank 0 saves
 what it saw into OUT (and the checkpoint into OUT.ckpt). ``MEGATRON_WORKER_LORA=R``: LoRA adapters of rank R
 (alpha 2R) on every targeted layer, so the gradients are the adapters' (Megatron names)."""
 
@@ -82,7 +83,10 @@ def main(
     step = backend.optimizer_step()
     backend.push_weights(1)
     state = backend.full_state_dict()
+    adapters = dict(backend._hf_adapters()) if train.lora is not None else None  # what adapter sync would send
     backend.save(Path(out + ".ckpt"))
+    backend.load(Path(out + ".ckpt"))  # every rank its part back (the weights, LoRA: the adapters onto the base)
+    reloaded = backend.full_state_dict()
     if rank == 0:
         torch.save(
             {
@@ -93,6 +97,8 @@ def main(
                 "step": step,
                 "pushed": sink.received,
                 "state": state,
+                "adapters": adapters,
+                "reloaded": reloaded,
             },
             out,
         )

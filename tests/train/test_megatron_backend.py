@@ -223,4 +223,5 @@ def test_two_ranks_equal_one_rank(tiny_models, tmp_path, parallel, layout, kind,
     saved = _hf(Path(str(out) + ".ckpt") / "model").state_dict()
     for name, tensor in result["state"].items():
         assert torch.equal(saved[name], tensor), name
+        assert torch.equal(result["reloaded"][name], tensor), name  # load() gave every rank its part back
     assert {p.name for p in (Path(str(out) + ".ckpt") / "optimizer").iterdir()} == optimizer_files

@@ -143,13 +143,15 @@ def test_a_checkpoint_resumes_the_adapters_exactly_and_refuses_other_lora_settin
 
 
 @pytest.mark.integration
-def test_two_tensor_parallel_ranks_train_the_same_adapters_as_one(qwen2_dir, tmp_path):
+@pytest.mark.parametrize("parallel", ["2", "1p2"], ids=["tensor_parallel_2", "pipeline_parallel_2"])
+def test_two_tensor_parallel_ranks_or_stages_train_the_same_adapters_as_one(qwen2_dir, tmp_path, parallel):
     """TP=2: A of the column-parallel layers replicated and B split like the weight (gate/up strided), the reverse
-    on the row-parallel ones: log-probs, metrics, the adapters' gradients, the step and the merged push equal one
-    rank's."""
+    on the row-parallel ones; PP=2: each stage its layers' adapters, a reference (the adapters off) through the
+    stages: log-probs, metrics, the adapters' gradients, the step, the merged push, the adapters an adapter sync
+    would send and the checkpoint's adapters equal one rank's."""
     worker = Path(__file__).parent / "megatron_worker.py"
     out = tmp_path / "rank0.pt"
-    args = [str(tmp_path / "init"), str(qwen2_dir), str(out), "2", "padded"]
+    args = [str(tmp_path / "init"), str(qwen2_dir), str(out), parallel, "padded"]
     env = {**os.environ, "MEGATRON_WORKER_LORA": "4"}
     procs = [
         subprocess.Popen([sys.executable, str(worker), str(r), "2", *args], cwd=worker.parent, env=env)
@@ -175,3 +177,16 @@ def test_two_tensor_parallel_ranks_train_the_same_adapters_as_one(qwen2_dir, tmp
     for name, tensor in single.full_state_dict().items():
         torch.testing.assert_close(result["state"][name], tensor, atol=1e-5, rtol=0, msg=name)
         assert torch.equal(result["pushed"][name], result["state"][name]), name
+        torch.testing.assert_close(result["reloaded"][name], result["state"][name], atol=1e-6, rtol=0, msg=name)
+    adapters = dict(single._hf_adapters())
+    assert list(result["adapters"]) == list(adapters)  # every layer's, in the model's order
+    for name, tensor in adapters.items():
+        torch.testing.assert_close(result["adapters"][name], tensor, atol=1e-5, rtol=0, msg=name)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(str(out) + ".ckpt") / "adapter" / "megatron_adapters.safetensors"))
+    single.save(tmp_path / "single")
+    expected = load_file(str(tmp_path / "single" / "adapter" / "megatron_adapters.safetensors"))
+    assert saved.keys() == expected.keys()  # whole-model names, whatever the layout
+    for name, tensor in expected.items():
+        torch.testing.assert_close(saved[name], tensor, atol=1e-5, rtol=0, msg=name)

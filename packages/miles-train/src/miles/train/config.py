@@ -69,7 +69,7 @@ class MegatronConfig(BaseModel):
         "activations and their gradients pass between stages point to point). It must divide the model's layers, "
         "and tensor_parallel_size x pipeline_parallel_size must divide train.world_size: a data-parallel replica "
         "is that many consecutive ranks. The stages run each micro-batch in turn (no 1F1B overlap yet): it splits "
-        "the model's memory, not its time. Not yet with LoRA or with expert_parallel_size > 1.",
+        "the model's memory, not its time. Not yet with expert_parallel_size > 1.",
     )
 
 

@@ -8,8 +8,9 @@ data-parallel replicas get their own rows and Megatron's ``DistributedDataParall
 MoE models (Qwen3-MoE, DeepSeek-V3 / Kimi K2) replay the engine's routing (R3) when the batch carries it: each
 router's top-k is the recorded experts where a token has them, with gating weights from the live logits
 (``RecordedTopK``). LoRA sits on Megatron's fused linears (``miles.train.megatron.lora``; dense models, no dropout).
-With ``pipeline_parallel_size`` > 1 each replica's ranks form stages holding consecutive layers (not yet with LoRA
-or expert parallelism; MoE stages replay the routing of their own layers): a micro-batch's activations pass from stage to stage and its log-probs come back from the last one
+With ``pipeline_parallel_size`` > 1 each replica's ranks form stages holding consecutive layers (not yet with expert
+parallelism; MoE stages replay the routing of their own layers, LoRA stages hold their layers' adapters): a
+micro-batch's activations pass from stage to stage and its log-probs come back from the last one
 (``PipelineStage``; the stages take turns, no 1F1B overlap yet).
 Context parallelism, LoRA on MoE models, a critic and vision-language models are not wired in yet.
 """
@@ -456,11 +457,6 @@ class MegatronBackend:
         self.tensor_parallel = train.megatron.tensor_parallel_size
         self.expert_parallel = train.megatron.expert_parallel_size
         self.pipeline_parallel = train.megatron.pipeline_parallel_size
-        if self.pipeline_parallel > 1 and lora is not None:
-            raise ValueError(
-                "train.backend megatron does not support train.lora with pipeline_parallel_size > 1 yet; use "
-                "--train.megatron.pipeline-parallel-size 1 or --train.lora off"
-            )
         init_parallel_state(self.tensor_parallel, self.expert_parallel, self.pipeline_parallel)
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -491,7 +487,7 @@ class MegatronBackend:
             self.lora_layers = megatron_lora.apply_lora(
                 self.gpt, target_modules=lora.target_modules, rank=lora.rank, alpha=lora.alpha,
                 use_rslora=lora.use_rslora, init_seed=lora.init_seed, tp_rank=self.tp_rank,
-                tp_size=self.tensor_parallel,
+                tp_size=self.tensor_parallel, whole_name=self._global_name,
             )  # fmt: skip
         self.model = DistributedDataParallel(
             self.gpt.config,
@@ -823,7 +819,7 @@ class MegatronBackend:
         self._finalize_grads()
         if self.lora_layers:  # the adapters' gradients, Megatron names (they have no HF names)
             grads = ((name, p.main_grad) for name, p in self.gpt.named_parameters() if p.requires_grad)
-            return {name: t.clone() for name, t in self._gathered(grads)}
+            return {name: t.clone() for name, t in self._across_stages(self._gathered(grads))}
         grads = self._across_stages(self._gathered((name, p.main_grad) for name, p in self.gpt.named_parameters()))
         return {name: t.clone() for name, t in convert.megatron_to_hf(grads, self.hf_config)}
 
@@ -876,18 +872,24 @@ class MegatronBackend:
         converted as plain weights are. Collective over the tensor-parallel ranks."""
         layouts = {name.replace(".base_layer.", "."): p for name, p in self.gpt.named_parameters()}
         merged = megatron_lora.merged_parameters(self.gpt)
-        return convert.megatron_to_hf(self._gathered(merged, layouts), self.hf_config)
+        return convert.megatron_to_hf(self._across_stages(self._gathered(merged, layouts)), self.hf_config)
 
     def _hf_adapters(self) -> Iterator[tuple[str, Tensor]]:
         """The adapters as HF-named LoRA tensors for an engine that applies them (``train.lora.sync adapter``):
         a fused layer's adapter becomes one per HF projection, sharing A, with B (times the scaling, so the engine
         applies scaling 1) split by rows as the fused weight is (q/k/v per query group, gate/up): the same function.
-        Collective over the tensor-parallel ranks, one layer at a time."""
-        for module, layer in self.lora_layers.items():
-            named = [(f"{module}.lora_A", layer.lora_A), (f"{module}.lora_B", layer.lora_B)]
-            (_, a), (_, b) = list(self._gathered(named))
-            with torch.no_grad():
-                b = b.float() * layer.scaling
+        Collective over the tensor- and pipeline-parallel ranks, one layer at a time."""
+
+        def stage_adapters() -> Iterator[tuple[str, Tensor]]:  # this stage's, whole: A, then B times the scaling
+            for module, layer in self.lora_layers.items():
+                named = [(f"{module}.lora_A", layer.lora_A), (f"{module}.lora_B", layer.lora_B)]
+                (_, a), (_, b) = list(self._gathered(named))
+                yield f"{module}.lora_A", a.detach()
+                yield f"{module}.lora_B", b.detach().float() * layer.scaling
+
+        adapters = self._across_stages(stage_adapters())  # every stage's, under whole-model names
+        for (name, a), (_, b) in zip(adapters, adapters, strict=False):  # (A, B) pairs
+            module = name.removesuffix(".lora_A")
             for hf_name, part in convert.megatron_to_hf([(f"{module}.weight", b)], self.hf_config):
                 prefix = hf_name.removesuffix(".weight")
                 yield f"{prefix}.lora_A.default.weight", a.detach().clone()  # one copy per projection
@@ -968,7 +970,7 @@ class MegatronBackend:
     def _full_adapters(self) -> dict[str, Tensor]:
         """The adapters whole (Megatron names; collective over the tensor-parallel ranks); {} without LoRA."""
         named = ((name, p) for name, p in self.gpt.named_parameters() if p.requires_grad and self.lora_layers)
-        return {name: tensor.clone() for name, tensor in self._gathered(named)}
+        return {name: tensor.clone() for name, tensor in self._across_stages(self._gathered(named))}
 
     def _write_adapters(self, adapters: dict[str, Tensor], path: Path) -> None:
         from safetensors.torch import save_file
@@ -1001,7 +1003,8 @@ class MegatronBackend:
         with torch.no_grad():
             for name, param in self.gpt.named_parameters():
                 if param.requires_grad:
-                    param.copy_(convert.shard_of(full[name], param, rank=self.tp_rank, world=self.tensor_parallel))
+                    whole = full[self._global_name(name)]
+                    param.copy_(convert.shard_of(whole, param, rank=self.tp_rank, world=self.tensor_parallel))
 
     @property
     def _optimizer_file(self) -> str:

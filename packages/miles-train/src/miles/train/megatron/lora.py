@@ -25,7 +25,8 @@ peft's own Megatron layer (``peft.tuners.lora.tp_layer.LoraParallelLinear``) was
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -122,13 +123,14 @@ class LoraParallelLinear(nn.Module):
 
 def apply_lora(
     gpt: nn.Module, *, target_modules: Sequence[str], rank: int, alpha: float, use_rslora: bool, init_seed: int,
-    tp_rank: int, tp_size: int,
+    tp_rank: int, tp_size: int, whole_name: Callable[[str], str] = str,
 ) -> dict[str, LoraParallelLinear]:  # fmt: skip
     """Wrap ``gpt``'s targeted linears in place and make the adapters its only trainable parameters.
 
     A is drawn whole per layer (Kaiming-uniform, a = sqrt(5), as peft's default; a generator seeded with
-    ``init_seed``, in module order) and sliced for this rank, so every tensor-parallel size starts from the same
-    adapters; B is zero, so training starts from the base model exactly.
+    ``init_seed`` and the layer's name in the whole model, ``whole_name(name)``: a pipeline stage's layers are
+    numbered from its first) and sliced for this rank, so every tensor- and pipeline-parallel layout starts from the
+    same adapters; B is zero, so training starts from the base model exactly.
 
     Returns: the wrapped layers by module name. Raises: ValueError as ``megatron_targets``, or when no layer matches.
     """
@@ -138,7 +140,6 @@ def apply_lora(
     targets = set(megatron_targets(target_modules))
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     gpt.requires_grad_(False)
-    generator = torch.Generator().manual_seed(init_seed)
     wrapped: dict[str, LoraParallelLinear] = {}
     for name, module in list(gpt.named_modules()):
         parent_name, _, child = name.rpartition(".")
@@ -148,6 +149,7 @@ def apply_lora(
         full_in = module.input_size
         a = torch.empty(rank, full_in)
         bound = 1 / math.sqrt(full_in)  # kaiming_uniform_(a=sqrt(5)) on [r, in]: U(-1/sqrt(in), 1/sqrt(in))
+        generator = torch.Generator().manual_seed(init_seed + zlib.crc32(whole_name(name).encode()))
         a.uniform_(-bound, bound, generator=generator)
         with torch.no_grad():
             layer.lora_A.copy_(shard_of(a, layer.lora_A, rank=tp_rank, world=tp_size))
