@@ -154,6 +154,41 @@ def test_train_help_lists_common_options_and_points_to_config_show(capsys):
     assert "miles config show RECIPE" in out
 
 
+def _config_key_exists(schema, dotted: str) -> bool:
+    from miles.recipes.overrides import _section_members
+
+    holders = [schema]
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        holders = [
+            m for h in holders if part in h.model_fields for m in _section_members(h.model_fields[part].annotation)
+        ]
+    return any(leaf in h.model_fields for h in holders)
+
+
+def test_train_help_lists_diffusion_keys_that_are_real_keys_and_names_the_diffusion_recipes(capsys):
+    import re
+
+    from miles.recipes.cli import TRAIN_EPILOG
+    from miles.recipes.config import MilesConfig
+    from miles.recipes.diffusion import DiffusionConfig, is_diffusion
+    from miles.recipes.registry import load_recipe, recipe_names
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--model.resolution", "--algorithm.lora.rank", "--algorithm.lora.target-modules to_q,to_k"):
+        assert option in out
+    assert "every key of a diffusion recipe:      miles config show tiny_flow_grpo_compressibility" in out
+    llm, diffusion = TRAIN_EPILOG.split("diffusion recipes (kind: diffusion")
+    diffusion = diffusion.split("every key, its default")[0]
+    for schema, text in ((MilesConfig, llm), (DiffusionConfig, diffusion)):
+        keys = {k.replace("-", "_") for k in re.findall(r"--([a-z][a-z_-]*(?:\.[a-z_-]+)+)", text)} - {"section.key"}
+        assert keys and [k for k in keys if not _config_key_exists(schema, k)] == []
+    named = {n for n in recipe_names() if is_diffusion(load_recipe(n))}
+    assert named and all(n in diffusion for n in named)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

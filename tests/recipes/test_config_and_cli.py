@@ -17,6 +17,32 @@ def test_overrides_parse_dashes_to_underscores_and_values_as_yaml():
     assert apply_overrides({"a": {"b": 1}}, {"a.c": 2, "d.e": 3}) == {"a": {"b": 1, "c": 2}, "d": {"e": 3}}
 
 
+@pytest.mark.parametrize(
+    "schema, key, value, expected",
+    [
+        pytest.param(DiffusionConfig, "algorithm.lora.target_modules", "to_q,to_k", ["to_q", "to_k"], id="comma_list"),
+        pytest.param(DiffusionConfig, "algorithm.lora.target_modules", "to_q", ["to_q"], id="one_item"),
+        pytest.param(DiffusionConfig, "data.prompts", "a cat, a dog", ["a cat", "a dog"], id="items_stripped"),
+        pytest.param(DiffusionConfig, "data.prompts", "yes,no", ["yes", "no"], id="string_items_stay_strings"),
+        pytest.param(DiffusionConfig, "data.prompts", "'a cat, sitting'", ["a cat, sitting"], id="quoted_one_item"),
+        pytest.param(DiffusionConfig, "data.prompts", "[a, 'b, c']", ["a", "b, c"], id="yaml_list_as_before"),
+        pytest.param(MilesConfig, "eval.pass_k", "1,8", [1, 8], id="int_items_parsed"),
+        pytest.param(MilesConfig, "eval.pass_k", "4", [4], id="one_int"),
+        pytest.param(MilesConfig, "engine.extra_args", "--tp-size,2", ["--tp-size", "2"], id="union_section_member"),
+        pytest.param(MilesConfig, "run.name", "a,b", "a,b", id="a_string_key_keeps_its_commas"),
+        pytest.param(MilesConfig, "data.task_kwargs", "{a: 1}", {"a": 1}, id="a_dict_key_is_yaml"),
+    ],
+)
+def test_a_list_key_takes_a_plain_comma_list_and_other_keys_keep_their_commas(schema, key, value, expected):
+    assert parse_overrides([f"--{key.replace('_', '-')}={value}"], schema) == {key: expected}
+
+
+def test_a_comma_list_override_validates_as_the_list():
+    cfg = resolve_config("tiny_flow_grpo_compressibility", ["--algorithm.lora.target-modules", "to_q,to_k"])
+    assert cfg.algorithm.lora.target_modules == ["to_q", "to_k"]
+    assert resolve_config("smollm2_grpo_arithmetic", ["--eval.pass-k", "1,4"]).eval.pass_k == [1, 4]
+
+
 def test_an_override_without_value_is_a_clear_error():
     with pytest.raises(ValueError, match="--loop.num-steps has no value"):
         parse_overrides(["--loop.num-steps"])

@@ -248,6 +248,70 @@ def test_export_of_a_missing_checkpoint_says_so(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def _flow_checkpoint(run, step, *, weights=True):
+    """A diffusion run's checkpoint as ``save_run_checkpoint`` lays it out, with a tiny flow model, named latest."""
+    from miles.diffusion.models import FLOW_META
+    from safetensors.torch import save_file
+
+    checkpoint = run / "checkpoints" / f"step_{step}"
+    (checkpoint / "model" / "transformer").mkdir(parents=True)
+    (checkpoint / "run_state.json").write_text(json.dumps({"step": step}))
+    (checkpoint / "config.yaml").write_text("kind: diffusion\n")
+    (checkpoint / "model" / FLOW_META).write_text(json.dumps({"kind": "tiny"}))
+    if weights:
+        save_file({"w": torch.zeros(2)}, checkpoint / "model" / "transformer" / "diffusion_pytorch_model.safetensors")
+    (run / "checkpoints" / "latest").write_text(f"step_{step}\n")
+    return checkpoint
+
+
+def test_export_of_a_run_directory_exports_its_latest_checkpoint(tmp_path):
+    from miles.diffusion.models import FLOW_META
+
+    run = tmp_path / "runs" / "r"
+    _flow_checkpoint(run, 2)
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "x")]) == 0
+    assert json.loads((tmp_path / "x" / FLOW_META).read_text()) == {"kind": "tiny"}
+    assert main(["export", "--checkpoint", str(run / "checkpoints"), "--out", str(tmp_path / "y")]) == 0
+    assert (tmp_path / "y" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        pytest.param(
+            "run_without_checkpoint",
+            "that run has no checkpoint yet (one is saved every loop.save_interval steps, after the last step and on "
+            "Ctrl-C); pass a runs/<name>/checkpoints/step_N directory of a run that saved one",
+            id="run_without_checkpoint",
+        ),
+        pytest.param(
+            "diffusion_checkpoint_without_weights",
+            "lacks ['transformer/diffusion_pytorch_model.safetensors']; pass a runs/<name>/checkpoints/step_N",
+            id="diffusion_checkpoint_names_flow_files",
+        ),
+        pytest.param(
+            "no_model",
+            "no model/ there, so it is not a Miles checkpoint; pass a runs/<name>/checkpoints/step_N directory (or the "
+            "run directory runs/<name>: its latest checkpoint)",
+            id="not_a_checkpoint",
+        ),
+    ],
+)
+def test_export_of_what_is_no_checkpoint_is_one_line_fitting_the_run(layout, message, tmp_path, capsys):
+    run = tmp_path / "runs" / "r"
+    if layout == "run_without_checkpoint":
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text("kind: diffusion\n")
+        (run / "metrics.jsonl").write_text("")
+    elif layout == "diffusion_checkpoint_without_weights":
+        _flow_checkpoint(run, 1, weights=False)
+    else:
+        run.mkdir(parents=True)
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "tokenizer" not in err[0], err
+
+
 def test_image_grid_tiles_rows_with_borders():
     images = np.stack([np.full((2, 2, 3), v, dtype=np.uint8) for v in (10, 20, 30)])
     grid = image_grid(images, columns=2)
@@ -297,3 +361,13 @@ def test_the_sd35_recipe_is_sized_for_a_gpu_and_its_tiny_twin_runs(tmp_path, mon
     assert train_rows[0]["kl"] == 0 and train_rows[1]["kl"] > 0
     assert all(r["train_rollout_logprob_max_abs_diff"] < 1e-5 for r in train_rows)
     assert (tmp_path / "cache" / "models" / "tiny-sd3-v1" / "model_index.json").is_file()
+
+
+def test_resume_from_a_run_directory_continues_its_latest_checkpoint(tmp_path):
+    from miles.recipes.cli import resolve_resume
+
+    run = tmp_path / "runs" / "r"
+    checkpoint = _flow_checkpoint(run, 2)
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(resolve_config(RECIPE, []).model_dump(mode="json")))
+    cfg, run_dir, resumed_from = resolve_resume(str(run), RECIPE, ["--loop.num-steps", "40"])
+    assert (run_dir, resumed_from, cfg.loop.num_steps) == (run, checkpoint, 40)  # not the run's parent's parent

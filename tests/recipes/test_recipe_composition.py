@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from miles.recipes.cli import resolve_config
-from miles.recipes.registry import load_recipe, merge_recipe, recipe_names
+from miles.recipes.registry import commented_lines, load_recipe, merge_recipe, recipe_files, recipe_names
 from miles.rollout.config import ProbeConfig
 
 FLAT = yaml.safe_load((Path(__file__).parent / "flat_resolved_configs.yaml").read_text())
@@ -188,3 +188,54 @@ def test_merge_replaces_lists_and_scalars_and_merges_mappings():
     base = {"a": {"b": 1, "c": [1, 2]}, "d": {"e": 1}}
     assert merge_recipe(base, {"a": {"c": [3]}, "d": None}) == {"a": {"b": 1, "c": [3]}, "d": None}
     assert base == {"a": {"b": 1, "c": [1, 2]}, "d": {"e": 1}}  # the base is not changed
+
+
+def test_commented_lines_keep_each_comment_with_the_keys_that_place_it():
+    text = (
+        'description: "Kimi\'s # not a comment"\n'
+        "# a note on the model\n"
+        "models:\n"
+        "  policy: {path: x}\n"
+        "train:\n"
+        "  lr: 1.0e-6\n"
+        "  world_size: 8   # 16 bytes a parameter\n"
+        "rollout:\n"
+        "  # the group size\n"
+        "  n_samples_per_prompt: 8\n"
+        "  label: it's # a comment after a plain scalar's apostrophe\n"
+    )
+    assert commented_lines(text) == [
+        "# a note on the model",
+        "models:",  # the key under the note
+        "train:",  # the parent of a commented line
+        "  world_size: 8   # 16 bytes a parameter",
+        "rollout:",
+        "  # the group size",
+        "  n_samples_per_prompt: 8",
+        "  label: it's # a comment after a plain scalar's apostrophe",
+    ]
+
+
+def test_recipe_files_are_its_bases_depth_first_then_itself_each_once(tmp_path):
+    (tmp_path / "shared.yaml").write_text("# shared\nloop: {num_steps: 1}\n")
+    (tmp_path / "a.yaml").write_text("base: shared.yaml\n")
+    (tmp_path / "top.yaml").write_text("base: [a.yaml, shared.yaml]\n# mine\n")
+    labels = [Path(label).name for label, _ in recipe_files(str(tmp_path / "top.yaml"))]
+    assert labels == ["shared.yaml", "a.yaml", "top.yaml"]
+    assert [label for label, _ in recipe_files("kimi_k2_grpo_gsm8k")] == [
+        "recipes/bases/model/kimi_k2.yaml",
+        "recipes/bases/algo/grpo.yaml",
+        "recipes/bases/task/gsm8k.yaml",
+        "recipes/kimi_k2_grpo_gsm8k.yaml",
+    ]
+
+
+def test_recipes_show_prints_the_recipe_files_comments_and_still_loads_as_the_merged_recipe(capsys):
+    from miles.recipes.cli import main
+
+    assert main(["recipes", "show", "sd35_medium_flow_grpo_compressibility"]) == 0
+    out = capsys.readouterr().out
+    assert "# recipes/sd35_medium_flow_grpo_compressibility.yaml, its comments:" in out
+    assert "#   # reduction). NOT RUN: no GPU here. Memory (fp32): the 2.5 B transformer (10 GB)" in out
+    assert "# merged (what miles train starts from):" in out
+    assert yaml.safe_load(out) == load_recipe("sd35_medium_flow_grpo_compressibility")

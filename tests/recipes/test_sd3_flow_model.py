@@ -4,6 +4,8 @@ the trained transformer round-trips through a checkpoint and exports as a loadab
 runs Flow-GRPO on it."""
 
 import json
+import logging
+import logging.handlers
 
 import pytest
 import torch
@@ -66,7 +68,15 @@ def test_a_trained_transformer_round_trips_and_exports_as_a_pipeline(tiny_sd3_di
     assert loaded.source == model.source
     for (name, a), (_, b) in zip(model.transformer.state_dict().items(), loaded.transformer.state_dict().items()):
         assert torch.equal(a, b), name
-    export_pipeline(loaded, tmp_path / "pipe")
+    saving = logging.getLogger("diffusers.pipelines.pipeline_utils")  # diffusers' loggers do not propagate
+    heard = logging.handlers.BufferingHandler(capacity=1000)
+    saving.addHandler(heard)
+    try:
+        export_pipeline(loaded, tmp_path / "pipe")
+    finally:
+        saving.removeHandler(heard)
+    assert not [r.getMessage() for r in heard.buffer if "cannot be saved" in r.getMessage()]  # the absent T5: silent
+    assert json.loads((tmp_path / "pipe" / "model_index.json").read_text())["text_encoder_3"] == [None, None]
     exported = pipeline(tmp_path / "pipe")
     first = next(iter(model.transformer.state_dict()))
     assert torch.equal(exported.transformer.state_dict()[first], model.transformer.state_dict()[first])
@@ -74,6 +84,31 @@ def test_a_trained_transformer_round_trips_and_exports_as_a_pipeline(tiny_sd3_di
         sd3_flow_model(tmp_path / "m")
     with pytest.raises(ValueError, match="resolution 30 must be a multiple of 4"):
         sd3_flow_model(tiny_sd3_dir, resolution=30)
+
+
+def test_the_tiny_sd3_build_logs_under_its_own_module(tmp_path, monkeypatch, caplog):
+    from miles.recipes.models import tiny_sd3
+
+    monkeypatch.setattr(tiny_sd3, "build_tiny_sd3", lambda out: (out / "model_index.json").write_text("{}"))
+    caplog.set_level(logging.INFO, logger="miles.recipes.models")
+    tiny_sd3.ensure_tiny_sd3(tmp_path)
+    built = [r for r in caplog.records if r.getMessage().startswith("built ")]
+    assert [(r.name, r.getMessage().split(" in ")[0]) for r in built] == [
+        ("miles.recipes.models.tiny_sd3", f"built {tmp_path / 'tiny-sd3-v1'}")
+    ]
+
+
+def test_saving_a_pipeline_drops_only_the_note_on_its_absent_components():
+    from miles.diffusion.models import _AbsentComponentNote
+
+    def record(message):
+        return logging.LogRecord("diffusers.pipelines.pipeline_utils", logging.WARNING, "", 0, message, (), None)
+
+    note = _AbsentComponentNote(["text_encoder_3", "tokenizer_3"])
+    absent = "self.text_encoder_3=None of type <class 'NoneType'> cannot be saved."
+    other = "self.text_encoder=None of type <class 'NoneType'> cannot be saved."  # not declared absent: kept
+    assert not note.filter(record(absent))
+    assert note.filter(record(other)) and note.filter(record("safetensors not installed"))
 
 
 def test_miles_train_runs_flow_grpo_on_an_sd3_pipeline(tiny_sd3_dir, tmp_path):

@@ -155,6 +155,7 @@ def test_recipes_show_prints_the_composition_and_the_merged_recipe(capsys):
     assert main(["recipes", "show", "kimi_k2_grpo_gsm8k", "--tiny"]) == 0
     out = capsys.readouterr().out
     assert "# composes: bases/model/kimi_k2 + bases/algo/grpo + bases/task/gsm8k" in out
+    assert "#   train:\n#     world_size: 256   # ~16 bytes per parameter for full fine-tuning" in out  # a base's note
     assert yaml.safe_load(out) == load_recipe("kimi_k2_grpo_gsm8k", tiny=True)
     assert main(["recipes", "list"]) == 0
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
@@ -193,7 +194,7 @@ def test_each_tiny_twin_runs_its_recipes_loop_with_routing_replay(name, tmp_path
 
 
 def test_a_failed_build_publishes_nothing_and_leaves_no_temporary_directory(tmp_path):
-    from miles.recipes.models.smollm2 import publish_model_dir
+    from miles.recipes.models.cache import publish_model_dir
 
     def build(tmp):
         (tmp / "config.json").write_text("{}")

@@ -18,13 +18,18 @@ It is the diffusion counterpart of the random LLM twins: small enough to learn a
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from miles.diffusion.sampler import Conditioning
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
 
 TINY_TRANSFORMER = {
     "sample_size": 16,
@@ -253,4 +258,29 @@ def export_pipeline(model: FlowModel, out: Path) -> None:
     pipe = StableDiffusion3Pipeline.from_pretrained(
         model.source["pipeline"], transformer=model.transformer, dtype=torch.float32, **_absent_components(index)
     )
-    pipe.save_pretrained(out)
+    save_pipeline(pipe, out)
+
+
+class _AbsentComponentNote(logging.Filter):
+    """Drops diffusers' "self.NAME=None of type <class 'NoneType'> cannot be saved." for the named components."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        super().__init__()
+        self.prefixes = tuple(f"self.{name}=None of type" for name in names)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def save_pipeline(pipe: DiffusionPipeline, out: Path) -> None:
+    """``pipe.save_pretrained(out)`` without diffusers' warning that each absent component (SD3 without T5:
+    ``text_encoder_3`` / ``tokenizer_3`` None) "cannot be saved": ``model_index.json`` records it as absent
+    (``[null, null]``), which is what loading needs. Every other message of the save still shows."""
+    absent = [name for name in pipe.config if name in pipe.components and pipe.components[name] is None]
+    source = logging.getLogger("diffusers.pipelines.pipeline_utils")
+    note = _AbsentComponentNote(absent)
+    source.addFilter(note)
+    try:
+        pipe.save_pretrained(out)
+    finally:
+        source.removeFilter(note)

@@ -34,6 +34,7 @@ import torch
 import yaml
 from miles.core.protocols import DataSource, TrainBackend
 from miles.core.rng import capture_rng_state, restore_rng_state
+from miles.diffusion.models import FLOW_META
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,29 @@ def read_latest(checkpoints_dir: Path) -> Path | None:
     return max(candidates, key=_step_of) if candidates else None
 
 
+def checkpoint_in(path: Path, *, flag: str) -> Path:
+    """The checkpoint a command-line ``path`` names: a ``step_N`` directory itself; a run directory
+    (``runs/NAME``) or its ``checkpoints/``: the checkpoint ``latest`` names there (``read_latest``); anything else
+    as it is (the command says what it lacks).
+
+    Raises: FileNotFoundError naming ``flag`` for a run directory without a checkpoint yet.
+    """
+    path = Path(path)
+    if (path / RUN_STATE).is_file():
+        return path
+    run_dir = (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()
+    checkpoints = path / "checkpoints" if run_dir else path
+    if not run_dir and not ((path / LATEST).is_file() or _step_dirs(path)):
+        return path
+    latest = read_latest(checkpoints)
+    if latest is None:
+        raise FileNotFoundError(
+            f"{flag} {path}: that run has no checkpoint yet (one is saved every loop.save_interval steps, after the "
+            "last step and on Ctrl-C); pass a runs/<name>/checkpoints/step_N directory of a run that saved one"
+        )
+    return latest
+
+
 def load_run_state(checkpoint_dir: Path) -> dict[str, Any]:
     """``run_state.json`` of a checkpoint directory."""
     return json.loads((checkpoint_dir / RUN_STATE).read_text())
@@ -202,26 +226,31 @@ def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
     The copy goes to a temporary sibling and is renamed into place, so ``out`` is complete or absent.
 
     Raises:
-        FileNotFoundError: the checkpoint has no complete ``model/`` (config.json, model.safetensors, tokenizer).
+        FileNotFoundError: the checkpoint has no complete ``model/`` (config.json, model.safetensors, tokenizer;
+            a flow model: miles_flow.json, transformer weights), naming what it lacks.
         FileExistsError: ``out`` exists (nothing is overwritten).
         ValueError: a weight holds NaN/inf.
     """
     from safetensors.torch import load_file
 
     src, out = Path(checkpoint_dir) / "model", Path(out)
+    fix = "pass a runs/<name>/checkpoints/step_N directory (or the run directory runs/<name>: its latest checkpoint)"
     if not Path(checkpoint_dir).is_dir():
+        raise FileNotFoundError(f"--checkpoint {checkpoint_dir} does not exist; {fix}")
+    if not src.is_dir():
         raise FileNotFoundError(
-            f"--checkpoint {checkpoint_dir} does not exist; pass a runs/<name>/checkpoints/step_N directory"
+            f"--checkpoint {checkpoint_dir}: no model/ there, so it is not a Miles checkpoint; {fix}"
         )
-    weights = src / "model.safetensors"
-    missing = [f for f in ("config.json", "model.safetensors") if not (src / f).is_file()]
-    if not any((src / f).is_file() for f in _TOKENIZER_FILES):
-        missing.append("tokenizer.json")
-    if (src / "miles_flow.json").is_file():  # a diffusion run's flow model
+    if (src / FLOW_META).is_file() or _recorded_kind(Path(checkpoint_dir)) == "diffusion":  # a flow model
         weights = src / "transformer" / "diffusion_pytorch_model.safetensors"
-        missing = [] if weights.is_file() else ["transformer/diffusion_pytorch_model.safetensors"]
-        if not missing and json.loads((src / "miles_flow.json").read_text()).get("kind") == "sd3":
+        missing = [f for f in (FLOW_META, "transformer/diffusion_pytorch_model.safetensors") if not (src / f).is_file()]
+        if not missing and json.loads((src / FLOW_META).read_text()).get("kind") == "sd3":
             return _export_pipeline(src, out)
+    else:
+        weights = src / "model.safetensors"
+        missing = [f for f in ("config.json", "model.safetensors") if not (src / f).is_file()]
+        if not any((src / f).is_file() for f in _TOKENIZER_FILES):
+            missing.append("tokenizer.json")
     if missing:
         raise FileNotFoundError(
             f"--checkpoint {checkpoint_dir}: {src} lacks {missing}; pass a runs/<name>/checkpoints/step_N directory"
@@ -243,6 +272,13 @@ def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _recorded_kind(checkpoint_dir: Path) -> str | None:
+    """The ``kind`` a checkpoint's ``config.yaml`` records (``diffusion``), or None (an LLM run, or no file)."""
+    path = checkpoint_dir / "config.yaml"
+    raw = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return raw.get("kind") if isinstance(raw, dict) else None
 
 
 def _export_pipeline(src: Path, out: Path) -> Path:

@@ -59,7 +59,7 @@ def _validate(raw: dict, override_args: list[str]):
 
     schema = DiffusionConfig if is_diffusion(raw) else MilesConfig
     try:
-        return schema.model_validate(apply_overrides(raw, parse_overrides(override_args)))
+        return schema.model_validate(apply_overrides(raw, parse_overrides(override_args, schema)))
     except ValidationError as err:
         raise ValueError(format_validation_error(err, schema)) from None
 
@@ -75,7 +75,7 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
     ``--run.name`` names another (a branch of the run).
     Raises: ValueError naming the flag and the fix.
     """
-    from miles.recipes.checkpoint import read_latest
+    from miles.recipes.checkpoint import checkpoint_in, read_latest
     from miles.recipes.overrides import parse_overrides
 
     # Where the run is: the overrides' run.name / run.dir over the recipe's; the overrides are validated against the
@@ -99,7 +99,10 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
         if recorded.is_file():  # the run's latest settings, e.g. a --loop.num-steps raised by an earlier resume
             return _validate(_recorded(recorded), override_args), run_dir, checkpoint
     else:
-        checkpoint = Path(resume)
+        try:  # a step_N directory, or a run directory: its latest checkpoint
+            checkpoint = checkpoint_in(Path(resume), flag="--resume")
+        except FileNotFoundError as err:
+            raise ValueError(str(err)) from None
     if not (checkpoint / "config.yaml").is_file():
         raise ValueError(
             f"--resume {checkpoint}: no config.yaml there, so it is not a complete Miles checkpoint; pass a "
@@ -112,7 +115,7 @@ def resolve_resume(resume: str, recipe: str, override_args: list[str]) -> tuple[
 
 
 TRAIN_EPILOG = """\
-common options (any config key works as --section.key VALUE; dashes or underscores):
+common options of LLM recipes (any config key works as --section.key VALUE; dashes or underscores):
   --loop.num-steps N                    rollout steps (each: generate, score, train, push weights)
   --loop.save-interval N                checkpoint every N steps (and after the last; Ctrl-C also saves)
   --rollout.rollout-batch-size N        prompts per step
@@ -129,10 +132,19 @@ common options (any config key works as --section.key VALUE; dashes or underscor
   --run.name NAME  --run.dir DIR        where the run directory goes (default runs/<recipe>-<time>)
   --run.num-threads N                   torch threads (1 when another job shares the cores)
 a key inside an optional section turns it on (the rest at defaults); --SECTION null turns it off.
+a list takes a comma list or YAML: --eval.pass-k 1,8 or '[1, 8]' (YAML for items that hold a comma).
 
-diffusion recipes (kind: diffusion, e.g. tiny_flow_grpo_compressibility; docs/diffusion.md) have their own keys:
-  --algorithm.loss flow_grpo|diffusion_nft  --algorithm.lr LR  --algorithm.group-size N  --algorithm.num-steps N
-  --reward.name NAME | --reward.path module:function   --data.prompts '[...]'   --eval.interval N  --loop.num-steps N
+diffusion recipes (kind: diffusion: tiny_flow_grpo_compressibility, tiny_flow_nft_compressibility,
+sd35_medium_flow_grpo_compressibility; docs/diffusion.md) have their own keys:
+  --model.path PATH                     tiny-flow, tiny-sd3, or a local diffusers SD3 / SD3.5 pipeline directory
+  --model.resolution PX  --model.device auto|cpu|cuda
+  --algorithm.loss NAME                 flow_grpo or diffusion_nft
+  --algorithm.lr LR  --algorithm.prompts-per-step N  --algorithm.group-size N (images per prompt)
+  --algorithm.num-steps N               denoising steps sampled (--algorithm.train-steps K: train on K of them)
+  --algorithm.lora.rank R               train LoRA adapters only (--algorithm.lora.target-modules to_q,to_k)
+  --reward.name NAME | --reward.path module:function
+  --data.prompts 'a cat,a dog'  --eval.prompts ...  --eval.interval N  --loop.num-steps N  --loop.save-interval N
+  every key of a diffusion recipe:      miles config show tiny_flow_grpo_compressibility
 
 every key, its default and its description:  miles config show RECIPE
 shipped recipes:                             miles recipes list
@@ -160,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         const="latest",
         default=None,
         metavar="PATH",
-        help="continue exactly from a checkpoint: PATH (a step_N dir), or without PATH the latest checkpoint of "
-        "--run.name (a run without a checkpoint starts again from step 0); the checkpoint's config is used, with "
-        "the given overrides on top",
+        help="continue exactly from a checkpoint: PATH (a step_N dir, or a run directory: its latest), or without "
+        "PATH the latest checkpoint of --run.name (a run without a checkpoint starts again from step 0); the "
+        "checkpoint's config is used, with the given overrides on top",
     )
     train.add_argument(
         "--tiny",
@@ -190,11 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         usage="miles eval [--checkpoint runs/NAME/checkpoints/step_N] [--recipe NAME] [--out FILE.json] "
         "[--section.key VALUE ...]",
     )
-    evaluation.add_argument("--checkpoint", default=None, help="runs/<name>/checkpoints/step_N")
+    evaluation.add_argument(
+        "--checkpoint", default=None, help="runs/<name>/checkpoints/step_N, or runs/<name> (its latest checkpoint)"
+    )
     evaluation.add_argument("--recipe", default=None, help=f"shipped recipe name or YAML path ({DEFAULT_RECIPE})")
     evaluation.add_argument("--out", default=None, help="also write the metrics to this JSON file")
     export = sub.add_parser("export", help="write a checkpoint's model as a plain HF directory (safetensors)")
-    export.add_argument("--checkpoint", required=True, help="runs/<name>/checkpoints/step_N")
+    export.add_argument(
+        "--checkpoint", required=True, help="runs/<name>/checkpoints/step_N, or runs/<name> (its latest checkpoint)"
+    )
     export.add_argument("--out", required=True, help="new directory to create")
     recipes = sub.add_parser(
         "recipes",
@@ -306,9 +322,11 @@ def _dry_run(cfg: Any, run_dir: Path, checkpoint: Path | None) -> int:
 
 
 def _show_recipe(name: str | None, *, tiny: bool) -> int:
-    """``miles recipes show NAME``: its description, the bases it composes, and the recipe with them merged (and,
-    with ``tiny``, its tiny-twin overrides) as YAML; exit 2 with one line for an unknown recipe."""
-    from miles.recipes.registry import load_recipe, recipe_bases, recipe_description
+    """``miles recipes show NAME``: its description, the bases it composes, the comments of its files (the recipe's
+    and its bases', each with the line it sits on or above), and the recipe with its bases merged (and, with
+    ``tiny``, its tiny-twin overrides) as YAML; all but the merged recipe are comments, so the output loads as it.
+    Exit 2 with one line for an unknown recipe."""
+    from miles.recipes.registry import commented_lines, load_recipe, recipe_bases, recipe_description, recipe_files
 
     if name is None:
         return _fail(ValueError("recipes show needs a recipe name (miles recipes list shows them)"))
@@ -316,10 +334,16 @@ def _show_recipe(name: str | None, *, tiny: bool) -> int:
         merged = load_recipe(name, tiny=tiny)
         bases = recipe_bases(name)
         description = recipe_description(name) if Path(name).suffix not in (".yaml", ".yml") else ""
+        files = recipe_files(name)
     except ValueError as err:
         return _fail(err)
     lines = [f"# {name}: {description}" if description else f"# {name}"]
     lines += [f"# composes: {' + '.join(bases)}"] if bases else []
+    notes = [(label, commented_lines(text)) for label, text in files]
+    for label, commented in notes:
+        lines += ["#", f"# {label}, its comments:", *(f"#   {line}" for line in commented)] if commented else []
+    if bases or any(commented for _, commented in notes):
+        lines += ["#", "# merged (what miles train starts from):"]
     lines += ["# with its tiny twin's overrides (--tiny)"] if tiny else []
     print("\n".join(lines))  # noqa: T201 - CLI output
     print(yaml.safe_dump(merged, sort_keys=False, default_flow_style=None, width=120), end="")  # noqa: T201
@@ -471,6 +495,8 @@ def resolve_eval_config(checkpoint: str | None, recipe: str | None, override_arg
 
     Raises: ValueError naming the flag and the fix.
     """
+    from miles.recipes.checkpoint import checkpoint_in
+
     diffusion = ValueError(
         "miles eval evaluates LLM runs; a diffusion run evaluates itself: eval/reward in its metrics.jsonl, the "
         "images in its samples/ (--eval.interval N sets how often)"
@@ -480,7 +506,10 @@ def resolve_eval_config(checkpoint: str | None, recipe: str | None, override_arg
         if not hasattr(cfg, "models"):
             raise diffusion
         return cfg
-    path = Path(checkpoint)
+    try:
+        path = checkpoint_in(Path(checkpoint), flag="--checkpoint")
+    except FileNotFoundError as err:
+        raise ValueError(str(err)) from None
     model = path / "model"
     if (model / "miles_flow.json").is_file():
         raise diffusion
@@ -524,15 +553,16 @@ def _eval(checkpoint: str | None, recipe: str | None, out: str | None, rest: lis
 
 
 def _export(checkpoint: str, out: str, rest: list[str]) -> int:
-    from miles.recipes.checkpoint import export_hf_model
+    from miles.recipes.checkpoint import checkpoint_in, export_hf_model
 
     if rest:
         return _fail(f"export: unexpected arguments {rest}")
     try:
-        path = export_hf_model(Path(checkpoint), Path(out))
+        source = checkpoint_in(Path(checkpoint), flag="--checkpoint")
+        path = export_hf_model(source, Path(out))
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         return _fail(err)
-    logger.info("exported %s to %s", checkpoint, path)
+    logger.info("exported %s to %s", source, path)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import textwrap
+import types
 import typing
 from typing import Any
 
@@ -12,8 +13,12 @@ from miles.core.algorithms.config import section_switch
 from pydantic import BaseModel
 
 
-def parse_overrides(args: list[str]) -> dict[str, Any]:
+def parse_overrides(args: list[str], schema: type[BaseModel] | None = None) -> dict[str, Any]:
     """``["--a.b-c", "1", "--d", "x"]`` -> ``{"a.b_c": 1, "d": "x"}``; values are parsed as YAML scalars.
+
+    With ``schema`` (the root config class), the value of a list-typed key whose items are scalars may also be a
+    plain comma list: ``--algorithm.lora.target-modules to_q,to_k`` is ``["to_q", "to_k"]`` (the YAML form
+    ``'[to_q, to_k]'`` still works, and is needed for items that hold a comma). Other keys keep their commas.
 
     Raises: ValueError for a token that is not ``--key`` or a key without a value.
     """
@@ -28,9 +33,59 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             if i + 1 >= len(args):
                 raise ValueError(f"override --{key} has no value; write --{key} VALUE")
             value, i = args[i + 1], i + 1
-        overrides[key.replace("-", "_")] = yaml.safe_load(value) if value != "" else ""
+        key = key.replace("-", "_")
+        item = list_item_type(schema, key) if schema is not None else None
+        overrides[key] = _parse_value(value, item)
         i += 1
     return overrides
+
+
+def _parse_value(value: str, list_item: Any = None) -> Any:
+    """One override's text as YAML; for a list-typed key (``list_item``: its item type) a text that is not a YAML
+    list or null is a comma list, each item a string for string items, else a YAML scalar."""
+    parsed = yaml.safe_load(value) if value != "" else ""
+    if list_item is None or parsed is None or isinstance(parsed, list | dict):
+        return parsed
+    if value.lstrip().startswith(("'", '"')):  # one quoted item, commas and all
+        return [parsed]
+    items = [part.strip() for part in value.split(",")] if value.strip() else []
+    return items if list_item is str else [yaml.safe_load(part) for part in items]
+
+
+def list_item_type(schema: type[BaseModel], dotted: str) -> Any:
+    """The item type of the config key ``dotted`` when it is a list (or ``tuple[X, ...]``, optionally ``| None``)
+    of scalars in every section class that has it (``str`` for string and string-literal items), else None."""
+    holders: list[type[BaseModel]] = [schema]
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        holders = [
+            m for h in holders if part in h.model_fields for m in _section_members(h.model_fields[part].annotation)
+        ]
+    items = [_scalar_list_item(h.model_fields[leaf].annotation) for h in holders if leaf in h.model_fields]
+    if not items or any(item is None for item in items):
+        return None
+    return str if str in items else items[0]
+
+
+def _scalar_list_item(annotation: Any) -> Any:
+    """``list[X]`` / ``tuple[X, ...]`` (or ``... | None``) of a scalar X -> X (``str`` for a str Literal); else None."""
+    members = [a for a in typing.get_args(annotation) if a is not type(None)] if _is_union(annotation) else [annotation]
+    if len(members) != 1:
+        return None
+    origin, args = typing.get_origin(members[0]), typing.get_args(members[0])
+    if origin is list and len(args) == 1:
+        item = args[0]
+    elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = args[0]
+    else:
+        return None
+    if typing.get_origin(item) is typing.Literal:
+        return str if all(isinstance(v, str) for v in typing.get_args(item)) else None
+    return item if item in (str, int, float, bool) else None
+
+
+def _is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
 
 def apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

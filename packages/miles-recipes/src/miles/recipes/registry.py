@@ -42,24 +42,29 @@ def recipe_names() -> list[str]:
 
 def _read_recipe(name_or_path: str, *, relative_to: Path | None = None) -> tuple[dict[str, Any], Path | None]:
     """The raw mapping of one recipe file (its ``base`` not applied) and the file's directory for a path recipe."""
-    path = Path(name_or_path)
-    if relative_to is not None and not path.is_absolute():
-        path = relative_to / path
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        text, folder = path.read_text(), path.absolute().parent
-    else:
-        resource = resources.files("miles.recipes") / "recipes" / f"{name_or_path}.yaml"
-        if not resource.is_file():
-            names = recipe_names()
-            near = [n for n in names if name_or_path and n.startswith(name_or_path)]
-            near = near or difflib.get_close_matches(name_or_path, names)
-            hint = f"; did you mean --recipe {near[0]}?" if near else ""
-            raise ValueError(f"--recipe {name_or_path!r} is neither a shipped recipe {names} nor a YAML file{hint}")
-        text, folder = resource.read_text(), None
+    text, folder, _ = _recipe_text(name_or_path, relative_to=relative_to)
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ValueError(f"recipe {name_or_path!r} must be a YAML mapping, got {type(data).__name__}")
     return data, folder
+
+
+def _recipe_text(name_or_path: str, *, relative_to: Path | None = None) -> tuple[str, Path | None, str]:
+    """One recipe file's text, its directory for a path recipe (None for a shipped one), and its label: the path,
+    or ``recipes/NAME.yaml`` for a shipped one."""
+    path = Path(name_or_path)
+    if relative_to is not None and not path.is_absolute():
+        path = relative_to / path
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path.read_text(), path.absolute().parent, str(path)
+    resource = resources.files("miles.recipes") / "recipes" / f"{name_or_path}.yaml"
+    if not resource.is_file():
+        names = recipe_names()
+        near = [n for n in names if name_or_path and n.startswith(name_or_path)]
+        near = near or difflib.get_close_matches(name_or_path, names)
+        hint = f"; did you mean --recipe {near[0]}?" if near else ""
+        raise ValueError(f"--recipe {name_or_path!r} is neither a shipped recipe {names} nor a YAML file{hint}")
+    return resource.read_text(), None, f"recipes/{name_or_path}.yaml"
 
 
 def merge_recipe(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -119,6 +124,70 @@ def _load_composed(name: str, folder: Path | None, stack: tuple[str, ...]) -> tu
         base_config, base_tiny = _load_composed(base, here, (*stack, key))
         merged, tiny_overrides = merge_recipe(merged, base_config), merge_recipe(tiny_overrides, base_tiny)
     return merge_recipe(merged, data), merge_recipe(tiny_overrides, own_tiny)
+
+
+def recipe_files(name_or_path: str) -> list[tuple[str, str]]:
+    """(label, text) of each file a recipe composes, as written (comments kept): its bases depth first, then the
+    recipe itself; a file reached twice is listed once, where it is first reached."""
+    files: list[tuple[str, str]] = []
+    seen: set[str] = set()
+
+    def visit(name: str, folder: Path | None) -> None:
+        text, here, label = _recipe_text(name, relative_to=folder)
+        if label in seen:  # a base shared by two bases (or a cycle, which load_recipe refuses)
+            return
+        seen.add(label)
+        data = yaml.safe_load(text) or {}
+        bases = (data.get("base") or []) if isinstance(data, dict) else []
+        for base in [bases] if isinstance(bases, str) else bases:
+            visit(base, here)
+        files.append((label, text))
+
+    visit(name_or_path, None)
+    return files
+
+
+def commented_lines(text: str) -> list[str]:
+    """The lines of a YAML text that carry a comment, as written, with the keys that place them: the line under a
+    comment block (the key it is about) and the parent keys of a nested line (``train:`` above ``  world_size: 256
+    # ...``); other lines are dropped."""
+    lines = text.splitlines()
+    kept: set[int] = set()
+    for i, line in enumerate(lines):
+        under_note = i > 0 and line.strip() and lines[i - 1].lstrip().startswith("#")
+        if _has_comment(line) or under_note:
+            kept.add(i)
+            kept.update(_parent_lines(lines, i))
+    return [lines[i] for i in sorted(kept)]
+
+
+def _parent_lines(lines: list[str], index: int) -> list[int]:
+    """The indices of the keys a line is nested in: each nearest line above it that is less indented."""
+    parents, indent = [], _indent(lines[index])
+    for i in range(index - 1, -1, -1):
+        text = lines[i].strip()
+        if text and not text.startswith("#") and _indent(lines[i]) < indent:
+            parents.append(i)
+            indent = _indent(lines[i])
+    return parents
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _has_comment(line: str) -> bool:
+    """Whether a YAML line holds a comment: a ``#`` at its start or after a space, outside a quoted scalar (one that
+    opens with its quote: ``Kimi's`` in a plain scalar is no quote)."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"" and (i == 0 or line[i - 1] in " [{,:"):
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1] in " \t"):
+            return True
+    return False
 
 
 def recipe_bases(name_or_path: str) -> list[str]:

@@ -15,9 +15,13 @@ the model cache by an atomic rename.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from miles.recipes.models.smollm2 import ensure_built, ensure_smollm2
+from miles.recipes.models.cache import ensure_built
+from miles.recipes.models.smollm2 import ensure_smollm2
+
+logger = logging.getLogger(__name__)
 
 MODEL_NAME = "smollm2-vl"
 VERSION = 1  # bump when the build changes: a new cache directory
@@ -105,4 +109,4 @@ def ensure_smollm2_vl(cache_dir: Path | None = None) -> Path:
 
     Raises: what ``build_smollm2_vl`` raises.
     """
-    return ensure_built(f"{MODEL_NAME}-v{VERSION}", build_smollm2_vl, cache_dir=cache_dir)
+    return ensure_built(f"{MODEL_NAME}-v{VERSION}", build_smollm2_vl, logger=logger, cache_dir=cache_dir)

@@ -23,11 +23,16 @@ tiny-<family>`` use them.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.recipes.models.smollm2 import ensure_built, ensure_smollm2
+from miles.recipes.models.cache import ensure_built
+from miles.recipes.models.smollm2 import ensure_smollm2
+
+logger = logging.getLogger(__name__)
 
 VERSION = 1  # bump when a twin's config or init changes: a new cache directory, old ones untouched
 SEED = 0
@@ -243,4 +248,5 @@ def ensure_tiny(family: str, cache_dir: Path | None = None) -> Path:
     """
     if family not in FAMILIES:
         raise ValueError(f"no tiny twin of family {family!r}; families: {sorted(FAMILIES)}")
-    return ensure_built(f"{model_name(family)}-v{VERSION}", lambda tmp: build_tiny(family, tmp), cache_dir=cache_dir)
+    build = functools.partial(build_tiny, family)
+    return ensure_built(f"{model_name(family)}-v{VERSION}", build, logger=logger, cache_dir=cache_dir)

@@ -10,10 +10,13 @@ Built once into the model cache (``default_cache_dir()/tiny-sd3-v1``) by an atom
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
-from miles.recipes.models.smollm2 import ensure_built
+from miles.recipes.models.cache import ensure_built
+
+logger = logging.getLogger(__name__)
 
 MODEL_NAME = "tiny-sd3"
 VERSION = 1
@@ -43,6 +46,7 @@ def build_tiny_sd3(out: Path, *, seed: int = 0) -> None:
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
+    from miles.diffusion.models import save_pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     tokenizer = byte_clip_tokenizer(Path(out) / ".tokenizer-src")
@@ -74,7 +78,7 @@ def build_tiny_sd3(out: Path, *, seed: int = 0) -> None:
             text_encoder=clip(), tokenizer=tokenizer, text_encoder_2=clip(), tokenizer_2=tokenizer,
             text_encoder_3=None, tokenizer_3=None,
         )  # fmt: skip
-    pipe.save_pretrained(out)
+    save_pipeline(pipe, out)  # model_index.json records the absent T5 ([null, null])
     for leftover in (Path(out) / ".tokenizer-src").iterdir():
         leftover.unlink()
     (Path(out) / ".tokenizer-src").rmdir()
@@ -82,4 +86,6 @@ def build_tiny_sd3(out: Path, *, seed: int = 0) -> None:
 
 def ensure_tiny_sd3(cache_dir: Path | None = None) -> Path:
     """The pipeline directory of ``tiny-sd3``, built into the cache on first use (atomic)."""
-    return ensure_built(f"{MODEL_NAME}-v{VERSION}", build_tiny_sd3, cache_dir=cache_dir, marker="model_index.json")
+    return ensure_built(
+        f"{MODEL_NAME}-v{VERSION}", build_tiny_sd3, logger=logger, cache_dir=cache_dir, marker="model_index.json"
+    )
