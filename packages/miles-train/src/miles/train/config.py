@@ -66,10 +66,11 @@ class MegatronConfig(BaseModel):
         ge=1,
         description="Pipeline stages the decoder layers are split over (Megatron pipeline parallelism: each stage "
         "holds a consecutive run of layers, the first the embedding, the last the final norm and output layer; "
-        "activations and their gradients pass between stages point to point). It must divide the model's layers, "
-        "and tensor_parallel_size x pipeline_parallel_size must divide train.world_size: a data-parallel replica "
-        "is that many consecutive ranks. The stages run each micro-batch in turn (no 1F1B overlap yet): it splits "
-        "the model's memory, not its time. Not yet with expert_parallel_size > 1.",
+        "activations and their gradients pass between stages point to point under Megatron's 1F1B schedule, so the "
+        "stages work on different micro-batches at once: give a step several micro-batches, train.micro_batch_size). "
+        "It must divide the model's layers, and tensor_parallel_size x pipeline_parallel_size must divide "
+        "train.world_size: a data-parallel replica is that many consecutive ranks. Not yet with "
+        "expert_parallel_size > 1.",
     )
 
 

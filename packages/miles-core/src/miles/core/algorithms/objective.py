@@ -318,20 +318,44 @@ def accumulate_policy_loss(
         count, the objective's metrics, and ``LOCAL_TOKENS_METRIC`` (this rank's trained tokens) for
         ``reduce_policy_metrics``'s counts check. A backend may add its own (a critic's) before reducing.
     """
-    sums: dict[str, Tensor] = {LOCAL_TOKENS_METRIC: torch.tensor(float(batch.num_loss_tokens))}
-    trained, num_skipped = objective.select_rows(batch, world_size=world_size)
-    metrics_num_tokens = trained.num_loss_tokens if num_skipped else None
-    sums["loss"] = torch.zeros(())
-    sums[objective.skipped_rows_metric] = torch.tensor(float(num_skipped))
-    micro_batches = split_micro_batches(trained, micro_batch_size) if trained.batch_size else []
-    for i, mb in enumerate(micro_batches):
+    accumulator = PolicyLossAccumulator(objective, batch, counts, world_size=world_size,
+                                        micro_batch_size=micro_batch_size)  # fmt: skip
+    for i, mb in enumerate(accumulator.micro_batches):
         log_probs, entropy = log_probs_fn(mb)
-        loss, metrics = objective.loss(mb, log_probs, entropy, counts, metrics_num_tokens=metrics_num_tokens)
-        backward(loss, i, len(micro_batches))
+        backward(accumulator.loss(mb, log_probs, entropy), i, len(accumulator.micro_batches))
+    return accumulator.sums
+
+
+class PolicyLossAccumulator:
+    """``accumulate_policy_loss`` for a backend that drives the micro-batches itself (a pipeline schedule, which runs
+    forwards and backwards in its own order): ``micro_batches`` are this rank's (``select_rows``, then split), and
+    ``loss(mb, log_probs, entropy)`` returns one micro-batch's loss (scalar, carrying grad) and adds its metrics to
+    ``sums``, which ends as ``accumulate_policy_loss``'s return value.
+
+    Args: as ``accumulate_policy_loss``.
+    """
+
+    def __init__(
+        self, objective: PolicyObjective, batch: TrainBatch, counts: LossCounts, *, world_size: int,
+        micro_batch_size: int,
+    ) -> None:  # fmt: skip
+        self.objective, self.counts = objective, counts
+        self.sums: dict[str, Tensor] = {LOCAL_TOKENS_METRIC: torch.tensor(float(batch.num_loss_tokens))}
+        trained, num_skipped = objective.select_rows(batch, world_size=world_size)
+        self.metrics_num_tokens = trained.num_loss_tokens if num_skipped else None
+        self.sums["loss"] = torch.zeros(())
+        self.sums[objective.skipped_rows_metric] = torch.tensor(float(num_skipped))
+        self.micro_batches = split_micro_batches(trained, micro_batch_size) if trained.batch_size else []
+
+    def loss(self, mb: TrainBatch, log_probs: Tensor, entropy: Tensor | None) -> Tensor:
+        """The objective's loss of micro-batch ``mb`` against the global counts; its metrics go into ``sums``."""
+        loss, metrics = self.objective.loss(
+            mb, log_probs, entropy, self.counts, metrics_num_tokens=self.metrics_num_tokens
+        )
         for name, value in metrics.items():
-            sums[name] = objective.combine_metric(name, sums.get(name), value.detach())
-        sums["loss"] = sums["loss"] + loss.detach()
-    return sums
+            self.sums[name] = self.objective.combine_metric(name, self.sums.get(name), value.detach())
+        self.sums["loss"] = self.sums["loss"] + loss.detach()
+        return loss
 
 
 def reduce_policy_metrics(

@@ -9,9 +9,9 @@ MoE models (Qwen3-MoE, DeepSeek-V3 / Kimi K2) replay the engine's routing (R3) w
 router's top-k is the recorded experts where a token has them, with gating weights from the live logits
 (``RecordedTopK``). LoRA sits on Megatron's fused linears (``miles.train.megatron.lora``; dense models, no dropout).
 With ``pipeline_parallel_size`` > 1 each replica's ranks form stages holding consecutive layers (not yet with expert
-parallelism; MoE stages replay the routing of their own layers, LoRA stages hold their layers' adapters): a
-micro-batch's activations pass from stage to stage and its log-probs come back from the last one
-(``PipelineStage``; the stages take turns, no 1F1B overlap yet).
+parallelism; MoE stages replay the routing of their own layers, LoRA stages hold their layers' adapters), run by
+Megatron's 1F1B pipeline schedule: activations pass from stage to stage and gradients back, the last stage computes
+the log-probs and the loss.
 Context parallelism, LoRA on MoE models, a critic and vision-language models are not wired in yet.
 """
 
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from miles.core.algorithms.objective import (
     LossCounts,
+    PolicyLossAccumulator,
     PolicyObjective,
     accumulate_policy_loss,
     reduce_policy_metrics,
@@ -275,115 +276,6 @@ class StageOutput(Exception):  # noqa: N818 (control flow, not an error)
         self.hidden = hidden
 
 
-class PipelineStage:
-    """One micro-batch's forward (and backward) through this rank's pipeline stage, the activations passed point to
-    point to the next stage (and their gradients back), the log-probs computed on the last stage and broadcast to
-    every stage, so each rank sees the same [B, T] outputs and computes the same loss.
-
-    ``run(log_probs)`` returns the last stage's outputs; with grad enabled they are tied to this rank's layers by an
-    autograd function whose backward runs the stage's backward: the last stage backpropagates the loss's gradient
-    through its layers, every other stage the gradient its successor sends, then sends its input's gradient to its
-    predecessor. Collective over the pipeline-parallel group (every stage must run the same micro-batches in the same
-    order). The stages take turns (no 1F1B overlap): correct, memory split, not faster.
-
-    Args:
-        gpt: the stage's ``GPTModel`` (pre_process on the first stage, post_process on the last).
-    """
-
-    def __init__(self, gpt: torch.nn.Module) -> None:
-        from megatron.core import parallel_state
-
-        self.gpt = gpt
-        self.group = parallel_state.get_pipeline_model_parallel_group()
-        self.first = parallel_state.is_pipeline_first_stage()
-        self.last = parallel_state.is_pipeline_last_stage()
-        self.prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
-        self.next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
-        self.last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
-        self._input: Tensor | None = None
-        self._outputs: list[Tensor] = []
-
-    def run(self, log_probs: Any, num_outputs: int) -> list[Tensor]:
-        """``log_probs()`` (a log-prob function calling a ``CausalLMView`` of ``gpt``) through the pipeline; returns
-        its first ``num_outputs`` results as the last stage computed them (detached, or tied to the stage's backward
-        when grad is enabled)."""
-        if not torch.is_grad_enabled():
-            return list(self._forward(log_probs, num_outputs, grad=False))
-        anchor = torch.zeros((), requires_grad=True)  # makes the autograd function part of the loss's graph
-        return list(_StageFunction.apply(anchor, self, log_probs, num_outputs))
-
-    def _forward(self, log_probs: Any, num_outputs: int, *, grad: bool) -> tuple[Tensor, ...]:
-        with torch.set_grad_enabled(grad):
-            if not self.first:
-                self._input = _recv(self.prev_rank).requires_grad_(grad)
-                self.gpt.set_input_tensor(self._input)
-            try:
-                outputs = log_probs()[:num_outputs]
-                self._outputs = list(outputs)
-            except StageOutput as stage:
-                self._outputs = [stage.hidden]
-                _send(stage.hidden.detach(), self.next_rank)
-                outputs = None
-            finally:
-                self.gpt.set_input_tensor(None)
-        results = []
-        for i in range(num_outputs):  # the last stage's outputs, to every stage
-            shape = torch.tensor(outputs[i].shape if self.last else (0, 0))
-            dist.broadcast(shape, src=self.last_rank, group=self.group)
-            value = outputs[i].detach().clone() if self.last else torch.empty(shape.tolist())
-            dist.broadcast(value, src=self.last_rank, group=self.group)
-            results.append(value)
-        if not grad:
-            self._input, self._outputs = None, []
-        return tuple(results)
-
-    def backward(self, grads: tuple[Tensor | None, ...]) -> None:
-        """The stage's backward for one micro-batch (see the class docstring); frees what its forward kept."""
-        if self.last:
-            pairs = [(out, g) for out, g in zip(self._outputs, grads, strict=True) if g is not None]
-            if pairs:
-                torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
-        else:
-            (hidden,) = self._outputs
-            torch.autograd.backward(hidden, _recv(self.next_rank))
-        if not self.first:
-            grad = self._input.grad if self._input.grad is not None else torch.zeros_like(self._input)
-            _send(grad, self.prev_rank)
-        self._input, self._outputs = None, []
-
-
-class _StageFunction(torch.autograd.Function):
-    """``PipelineStage.run`` as an autograd node: forward runs the stage, backward the stage's backward."""
-
-    @staticmethod
-    def forward(ctx, anchor: Tensor, stage: PipelineStage, log_probs: Any, num_outputs: int) -> tuple[Tensor, ...]:
-        ctx.stage = stage
-        ctx.set_materialize_grads(False)
-        return stage._forward(log_probs, num_outputs, grad=True)
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor | None) -> tuple[None, ...]:
-        ctx.stage.backward(grads)
-        return None, None, None, None
-
-
-def _send(tensor: Tensor, rank: int) -> None:
-    """A float32 tensor of any shape to global ``rank``: its shape first, then its values."""
-    header = torch.zeros(4, dtype=torch.int64)
-    header[0], header[1 : 1 + tensor.dim()] = tensor.dim(), torch.tensor(tensor.shape)
-    dist.send(header, dst=rank)
-    dist.send(tensor.contiguous().float(), dst=rank)
-
-
-def _recv(rank: int) -> Tensor:
-    """What ``_send`` on global ``rank`` sent (up to 3 dimensions: hidden states and their gradients)."""
-    header = torch.zeros(4, dtype=torch.int64)
-    dist.recv(header, src=rank)
-    tensor = torch.empty(header[1 : 1 + int(header[0])].tolist())
-    dist.recv(tensor, src=rank)
-    return tensor
-
-
 def _rotary_tables(gpt: torch.nn.Module) -> list[torch.nn.Module]:
     """The rotary embeddings a ``GPTModel`` computes its RoPE angles with: the model's one, or (MLA, whose attention
     rotates only part of each head and builds its own table) each layer's attention's."""
@@ -534,6 +426,7 @@ class MegatronBackend:
                 dtype=torch.float32,
             )
         )
+        config = convert.pipeline_config(config)
         # local (no Transformer Engine) dense or MoE layers per config.moe_layer_freq
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
         if convert.is_mla(hf_config):  # MLA without Transformer Engine
@@ -658,28 +551,30 @@ class MegatronBackend:
         return frozenset(held)
 
     def _log_probs(
-        self, model: torch.nn.Module, mb: TrainBatch, *, with_entropy: bool, temperature: float | None = None
+        self,
+        model: torch.nn.Module,
+        mb: TrainBatch,
+        *,
+        with_entropy: bool,
+        temperature: float | None = None,
     ) -> tuple[Tensor, Tensor | None]:
+        """[B, T] log-probs (and entropy) of ``model`` on ``mb``'s responses. With pipeline parallelism this stage's
+        part only (called from Megatron's schedule, which passes the activations): ``StageOutput`` is raised on a
+        stage before the last."""
         packed = self.train_cfg.batch_layout == "packed"
         log_probs_fn = packed_model_response_log_probs if packed else model_response_log_probs
         gpt = self.gpt if model is self.model else model
         routed = token_routing(mb, packed=packed) if mb.routed_experts is not None and self._replays(gpt) else None
 
-        def log_probs() -> tuple[Tensor, Tensor | None]:
-            return log_probs_fn(
-                CausalLMView(model, gpt.hf_vocab_size, gpt=gpt, routed=routed),
-                mb.tokens,
-                mb.attention_mask,
-                mb.prompt_lengths,
-                num_response_columns=mb.loss_mask.shape[1],
-                temperature=self.temperature if temperature is None else temperature,
-                with_entropy=with_entropy,
-            )
-
-        if self.pipeline_parallel == 1:
-            return log_probs()
-        outputs = PipelineStage(gpt).run(log_probs, num_outputs=2 if with_entropy else 1)
-        return outputs[0], outputs[1] if with_entropy else None
+        return log_probs_fn(
+            CausalLMView(model, gpt.hf_vocab_size, gpt=gpt, routed=routed),
+            mb.tokens,
+            mb.attention_mask,
+            mb.prompt_lengths,
+            num_response_columns=mb.loss_mask.shape[1],
+            temperature=self.temperature if temperature is None else temperature,
+            with_entropy=with_entropy,
+        )
 
     def _replays(self, gpt: torch.nn.Module) -> bool:
         """R3: the policy replays the engine's routing, and a reference with the same MoE layout; a teacher (or a
@@ -705,16 +600,56 @@ class MegatronBackend:
             )
         ref = self.model if self.ref_is_base else self.ref_model  # LoRA: the policy with its adapters off
         models = {"old_log_probs": self.model, "ref_log_probs": ref, "teacher_log_probs": self.teacher_model}
-        parts: dict[str, list[Tensor]] = {name: [] for name in models if name in outputs}
         width = batch.loss_mask.shape[1]
-        for mb in split_micro_batches(batch, self.train_cfg.micro_batch_size) if parts else []:
-            for name in parts:
-                temperature = self.teacher_temperature if name == "teacher_log_probs" else None
-                base = name == "ref_log_probs" and self.ref_is_base
-                with megatron_lora.adapters_disabled(self.gpt) if base else contextlib.nullcontext():
-                    lp = self._log_probs(models[name], mb, with_entropy=False, temperature=temperature)[0]
-                parts[name].append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
-        return batch.replace(**{name: torch.cat(values) for name, values in parts.items()})
+        micro_batches = split_micro_batches(batch, self.train_cfg.micro_batch_size)
+        results = {}
+        for name in (name for name in models if name in outputs):
+            temperature = self.teacher_temperature if name == "teacher_log_probs" else None
+            base = name == "ref_log_probs" and self.ref_is_base
+            with megatron_lora.adapters_disabled(self.gpt) if base else contextlib.nullcontext():
+                if self.pipeline_parallel > 1:
+                    parts = self._pipelined_log_probs(models[name], micro_batches, temperature=temperature)
+                else:
+                    parts = [self._log_probs(models[name], mb, with_entropy=False, temperature=temperature)[0]
+                             for mb in micro_batches]  # fmt: skip
+            results[name] = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for lp in parts])
+        return batch.replace(**results)
+
+    def _pipelined_log_probs(
+        self, model: torch.nn.Module, micro_batches: list[TrainBatch], *, temperature: float | None
+    ) -> list[Tensor]:
+        """Each micro-batch's [b, t] log-probs under ``model`` through Megatron's pipeline schedule (forward only: a
+        stage runs the next micro-batch while later stages work on earlier ones), computed on the last stage and
+        broadcast to every stage. Collective over the pipeline group."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(batches: Iterator[TrainBatch], _model: torch.nn.Module):
+            mb = next(batches)
+            try:
+                log_probs, _ = self._log_probs(model, mb, with_entropy=False, temperature=temperature)
+            except StageOutput as stage:  # a stage before the last: its activations go on
+                return stage.hidden, None
+            return log_probs, None  # the last stage: kept by the schedule (no loss function)
+
+        kept = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),  # shapes travel with the tensors
+            micro_batch_size=self.train_cfg.micro_batch_size,
+            forward_only=True,
+        )
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        shapes = [[tuple(t.shape) for t in kept] if parallel_state.is_pipeline_last_stage() else None]
+        dist.broadcast_object_list(shapes, src=last, group=self.pp_group)
+        results = []
+        for i, shape in enumerate(shapes[0]):
+            value = kept[i].contiguous() if parallel_state.is_pipeline_last_stage() else torch.empty(shape)
+            dist.broadcast(value, src=last, group=self.pp_group)
+            results.append(value)
+        return results
 
     # -- training -------------------------------------------------------------------------------
     def forward_backward(self, batch: TrainBatch, objective: PolicyObjective, counts: LossCounts) -> dict[str, float]:
@@ -730,20 +665,66 @@ class MegatronBackend:
         def backward(loss: Tensor, i: int, num_micro_batches: int) -> None:
             (loss * self.dp_size).backward()  # DDP averages over replicas; the loss already divides by global counts
 
-        sums = accumulate_policy_loss(
-            objective,
-            batch,
-            counts,
-            world_size=self.dp_size,
-            micro_batch_size=self.train_cfg.micro_batch_size,
-            log_probs_fn=lambda mb: self._log_probs(self.model, mb, with_entropy=True),
-            backward=backward,
-        )
+        if self.pipeline_parallel > 1:
+            sums = self._pipelined_forward_backward(objective, batch, counts)
+        else:
+            sums = accumulate_policy_loss(
+                objective,
+                batch,
+                counts,
+                world_size=self.dp_size,
+                micro_batch_size=self.train_cfg.micro_batch_size,
+                log_probs_fn=lambda mb: self._log_probs(self.model, mb, with_entropy=True),
+                backward=backward,
+            )
         self._grads_final = False  # finalized once before they are read: it sums some over ranks, not idempotent
         dp_reduce = functools.partial(all_reduce_metrics, group=self.dp_group)  # each replica's metrics once
         metrics = reduce_policy_metrics(objective, sums, counts, all_reduce=dp_reduce)
         self._pending_loss = metrics["loss"]
         return metrics
+
+    def _pipelined_forward_backward(
+        self, objective: PolicyObjective, batch: TrainBatch, counts: LossCounts
+    ) -> dict[str, Tensor]:
+        """``forward_backward``'s micro-batches through Megatron's 1F1B pipeline schedule
+        (``forward_backward_pipelining_without_interleaving``): a stage runs the next micro-batch's forward while
+        later stages still work on earlier ones, and backwards interleave with forwards once the pipeline is full.
+        The last stage computes each micro-batch's loss (times the data-parallel size, as DDP averages) and hands it
+        to the schedule, which back-propagates it; activations and their gradients pass between stages point to
+        point, with their shapes (micro-batches differ in length). Returns: ``accumulate_policy_loss``'s sums,
+        the last stage's, on every stage. Collective over the pipeline group."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        accumulator = PolicyLossAccumulator(
+            objective, batch, counts, world_size=self.dp_size, micro_batch_size=self.train_cfg.micro_batch_size
+        )
+
+        def forward_step(micro_batches: Iterator[TrainBatch], model: torch.nn.Module):
+            mb = next(micro_batches)
+            try:
+                log_probs, entropy = self._log_probs(model, mb, with_entropy=True)
+            except StageOutput as stage:  # a stage before the last: its activations go on
+                return stage.hidden, None
+            loss = accumulator.loss(mb, log_probs, entropy) * self.dp_size
+            return loss, lambda out: (out, torch.ones((), dtype=torch.int), {})  # per-token: nothing divided
+
+        if accumulator.micro_batches:
+            length = max(mb.tokens.shape[1] for mb in accumulator.micro_batches)
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(accumulator.micro_batches),
+                model=[self.model],
+                num_microbatches=len(accumulator.micro_batches),
+                seq_length=length,  # shapes travel with the tensors (variable_seq_lengths)
+                micro_batch_size=self.train_cfg.micro_batch_size,
+                forward_only=False,
+            )
+        sums = [accumulator.sums]  # the last stage's metrics, to every stage
+        dist.broadcast_object_list(
+            sums, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group
+        )
+        return sums[0]
 
     def _finalize_grads(self) -> None:
         """Megatron's ``finalize_model_grads`` once per accumulation: the replicas' gradient sum (DDP), and the sum

@@ -281,9 +281,11 @@ def transformer_config_kwargs(
             "is not supported yet (a replica's ranks are consecutive, Megatron then needs as many expert- as "
             "data-parallel ranks); use one of them"
         )
-    pipeline = (
-        {"pipeline_model_parallel_size": pipeline_parallel, "pipeline_dtype": dtype} if pipeline_parallel > 1 else {}
-    )
+    # Megatron's pipeline schedule: the loss the backend hands it is already divided by the global counts (per-token:
+    # the schedule divides nothing); see pipeline_config for the micro-batches' lengths
+    pipeline = dict(
+        pipeline_model_parallel_size=pipeline_parallel, pipeline_dtype=dtype, calculate_per_token_loss=True,
+    ) if pipeline_parallel > 1 else {}  # fmt: skip
     return dict(
         num_layers=layers,
         hidden_size=hf_config.hidden_size,
@@ -320,6 +322,17 @@ def transformer_config_kwargs(
         **(_moe_kwargs(hf_config, expert_parallel) if is_moe(hf_config) else {}),
         **(_mla_kwargs(hf_config) if is_mla(hf_config) else {}),
     )
+
+
+def pipeline_config(config: Any) -> Any:
+    """``config`` (a built ``TransformerConfig``) set for Megatron's pipeline schedule with micro-batches of any
+    length: their activations' shapes travel with them (``variable_seq_lengths``). Set after validation, which
+    refuses it with the all-gather token dispatcher (for MoE layers it would gather unequal token counts over the
+    expert-parallel ranks; pipelines run at expert parallelism 1, and ``CausalLMView`` pads a forward to equal
+    lengths wherever the dispatcher gathers)."""
+    if config.pipeline_model_parallel_size > 1:
+        config.variable_seq_lengths = True
+    return config
 
 
 def config_class(hf_config: Any) -> type:

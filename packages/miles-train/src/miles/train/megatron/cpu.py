@@ -37,6 +37,16 @@ One more fills a gap of Megatron's local (no Transformer Engine) layer spec for 
    module imports without it (its TE classes become mock objects), so MLA's import check passes and its
    ``isinstance(linear_proj, TELinear)`` then raises a TypeError.
 
+Two more for Megatron's pipeline schedule (``forward_backward_pipelining_without_interleaving``), which the backend
+runs with pipeline parallelism:
+
+9. ``torch.cuda.synchronize`` -> a no-op: the schedule's point-to-point layer synchronizes the device after
+   exchanging tensor shapes (always) and after batched sends (``batch_p2p_sync``); on a CPU-only torch the call
+   always raises, and there is no device stream to wait for (gloo's requests were waited on just before).
+10. The schedule module's ``torch.zeros(..., device="cuda")`` (its token counter, allocated on every call) makes a
+   CPU tensor: ``pipeline_parallel.schedules.torch`` is a view of ``torch`` whose ``zeros`` maps that device to
+   the CPU; every other name is torch's own.
+
 One more applies while a pipeline stage's ``GPTModel`` is built (``pipeline_embedding_sync_skipped``):
 
 8. With tied embeddings and pipeline parallelism, ``LanguageModule.setup_embeddings_and_output_layer`` copies the
@@ -140,6 +150,17 @@ def _without_sp(config):
     return plain
 
 
+class _TorchWithCpuZeros:
+    """``torch`` for Megatron's schedule module: ``zeros(..., device="cuda")`` allocates on the CPU (10. above)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if str(device).startswith("cuda") else device, **kwargs)
+
+
 def apply_if_no_gpu() -> bool:
     """Apply the CPU redirects above once per process if there is no CUDA device; returns whether they are active.
 
@@ -158,7 +179,11 @@ def apply_if_no_gpu() -> bool:
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     megatron_utils.GlobalMemoryBuffer.get_tensor = _cpu_buffer_tensor
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import torch_norm
+
+    schedules.torch = _TorchWithCpuZeros()
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
