@@ -73,9 +73,23 @@ def test_the_vlm_recipe_runs_two_grpo_steps_with_images_and_engine_and_trainer_a
             "is a text-only model but the prompts carry images (data.image_key or the bundled visual task)",
         ),
         (
-            ["--rollout.mode", "multi_turn"],
-            "rollout.mode multi_turn does not run vision-language models yet (its renderer does not carry images); use "
-            "--rollout.mode generate",
+            [
+                "--rollout.mode",
+                "sft",
+                "--algorithm.loss.policy-loss",
+                "sft",
+                "--algorithm.loss.clip-high",
+                "0.2",
+                "--rollout.n-samples-per-prompt",
+                "1",
+            ],
+            "rollout.mode sft does not run vision-language models yet (its renderer does not carry images); use "
+            "--rollout.mode generate or multi_turn",
+        ),
+        (
+            ["--rollout.mode", "multi_turn", "--rollout.multi-turn.agent-path", "operator:add"],
+            "an agent plugin (rollout.multi_turn.agent_path) talks to the OpenAI-compatible endpoint, which takes no "
+            "images yet",
         ),
     ],
 )

@@ -259,3 +259,66 @@ def test_miles_serve_decodes_image_data_as_base64_only_and_names_the_bad_entry(p
         _image_inputs(state, [base64.b64encode(b"not an image").decode()])
     with pytest.raises(ValueError, match="takes text only"):
         _image_inputs(SimpleNamespace(processor=None, model_path="m"), [png])
+
+
+class _CallThenEngine:
+    """Turn 1 of every sample: a scripted calculator call (log-prob -0.5 per token); later turns: the real engine.
+    Records the requests."""
+
+    def __init__(self, engine, processor):
+        self.engine, self.requests, self.weight_version = engine, [], 0
+        call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
+        self.call = processor(call, add_special_tokens=False)["input_ids"] + [
+            processor.convert_tokens_to_ids("<|im_end|>")
+        ]
+
+    async def generate(self, request):
+        from miles.core.protocols import GenerateOutput
+
+        self.requests.append(request)
+        if len(request.prompt_tokens) == self.prompt_length:
+            return GenerateOutput(list(self.call), [-0.5] * len(self.call), "stop", weight_versions=[0])
+        return await self.engine.generate(request)
+
+
+def test_a_multi_turn_rollout_with_an_image_prompt_sends_the_images_every_turn_and_the_trainer_scores_them(
+    tiny_vlm_dir, engine, processor
+):
+    """rollout.mode multi_turn with an image prompt: the trajectory starts with the rendered prompt (placeholders
+    expanded), every turn's request carries the same pixel inputs and image files, the sample keeps them, and the
+    trainer's log-probs of the engine's second turn (after the tool result) equal the engine's."""
+    from miles.core.batch import build_train_batch
+    from miles.core.config import MultiTurnConfig
+    from miles.rollout.calculator import calculator
+    from miles.rollout.multiturn import MultiTurnRollout
+    from miles.train import FSDP2Backend, TrainConfig
+
+    prompt = problems(1)[0]
+    tokens, inputs = processor.render_sample(prompt)
+    hybrid = _CallThenEngine(engine, processor)
+    hybrid.prompt_length = len(tokens)
+    rollout = MultiTurnRollout(hybrid, processor, config=MultiTurnConfig(max_turns=2), tools={"calculator": calculator})
+    samples = asyncio.run(rollout.generate_group(prompt, n=2, sampling=SAMPLING, seeds=[0, 1]))
+    assert len(hybrid.requests) == 4  # 2 samples x 2 turns
+    for request in hybrid.requests:
+        assert torch.equal(request.multimodal_inputs["pixel_values"], inputs["pixel_values"])
+        assert request.image_data and request.prompt_tokens[: len(tokens)] == tokens
+    for sample in samples:
+        assert sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED), sample.metadata
+        assert sample.metadata["num_tool_calls"] == 1 and sample.metadata["num_turns"] == 2
+        assert sample.tokens[: sample.prompt_length] == tokens
+        assert torch.equal(sample.multimodal_inputs["pixel_values"], inputs["pixel_values"])
+    batch = build_train_batch(samples, torch.tensor([1.0, -1.0]), pad_token_id=processor.pad_token_id)
+    trainer = FSDP2Backend(tiny_vlm_dir, train=TrainConfig(dtype="fp32", micro_batch_size=2), temperature=1.0)
+    log_probs = trainer.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    suffix = processor("\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+        "input_ids"
+    ]
+    second = len(hybrid.call) + len(suffix)  # the engine's turn starts here in the response
+    for row, sample in enumerate(samples):
+        assert sample.response_length > second and sample.loss_mask[len(hybrid.call) : second] == [0] * len(suffix)
+        engine_lp = torch.tensor(sample.rollout_log_probs[second:])
+        torch.testing.assert_close(log_probs[row, second : sample.response_length], engine_lp, atol=1e-5, rtol=0)
+    # the same rows scored without their images are refused (placeholders, no pixels), not silently text-scored
+    with pytest.raises(ValueError, match="image placeholder tokens but no images"):
+        trainer.forward(batch.replace(multimodal_inputs=(None, None)), outputs={"old_log_probs"})

@@ -1092,10 +1092,10 @@ def _may_feed_images(cfg: MilesConfig) -> bool:
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
     """Refuse, in one line, what vision-language policies do not run with yet: vLLM servers when the prompts may
     carry images (SGLang-API servers take them as image_data; text-only runs of a vision-language checkpoint, as
-    Qwen3.5's, use any engine), SFT and multi-turn rollouts (their renderers do
-    not carry images), a critic (no token-classification head for VLMs), and a text-only reference
-    or teacher. The Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json
-    files alone, before anything starts."""
+    Qwen3.5's, use any engine), SFT rollouts and agent plugins (their renderers do not carry images; multi-turn
+    tool calling does), a critic (no token-classification head for VLMs), and a text-only reference or teacher.
+    The Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json files
+    alone, before anything starts."""
     from miles.core.multimodal import is_multimodal_config
     from transformers import AutoConfig
 
@@ -1121,10 +1121,15 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
             )
     if not images and cfg.engine.type != "embedded":
         logger.info("%s, trained on text prompts only (engine %s)", where, cfg.engine.type)
-    if cfg.rollout.mode != "generate":
+    if cfg.rollout.mode not in ("generate", "multi_turn"):
         raise RunSetupError(
             f"{where}: rollout.mode {cfg.rollout.mode} does not run vision-language models yet (its renderer does not "
-            "carry images); use --rollout.mode generate"
+            "carry images); use --rollout.mode generate or multi_turn"
+        )
+    if cfg.rollout.mode == "multi_turn" and cfg.rollout.multi_turn.agent_path:
+        raise RunSetupError(
+            f"{where}: an agent plugin (rollout.multi_turn.agent_path) talks to the OpenAI-compatible endpoint, which "
+            "takes no images yet; drop --rollout.multi-turn.agent-path (multi-turn tool calling takes image prompts)"
         )
     if not training:
         return

@@ -6,6 +6,12 @@ results are appended as ids the chat template renders (``miles.rollout.tito``); 
 a turn without a tool call (COMPLETED) or at a budget (TRUNCATED). Model ids get loss mask 1, tool results and
 template glue 0, so the trainer learns only what the model sampled (the setting of slime's multi-turn examples and
 of verl's agent loop; the Hermes format: https://github.com/NousResearch/Hermes-Function-Calling).
+
+A prompt with images (``metadata["images"]``, a vision-language policy) is rendered once by the policy's
+``VisionProcessor``: the trajectory starts with its ids (each image's placeholders expanded), and every turn's
+request carries the same image inputs (``multimodal_inputs``, and ``image_data`` for servers that process images
+themselves), as does the finished sample, so the trainer scores each turn against the images the engine saw. Tool
+results are text.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from typing import Any
 
 from miles.core.buffer import sample_seed
 from miles.core.config import MultiTurnConfig, SamplingConfig
+from miles.core.multimodal import MultimodalInputs
 from miles.core.protocols import Engine, GenerateOutput, GenerateRequest, GroupGenerateFn, RequestFailed
 from miles.core.sample import Sample, SampleStatus
-from miles.rollout.generate import engine_output_problem, known_versions
+from miles.rollout.generate import engine_output_problem, known_versions, render_prompt_inputs
 from miles.rollout.generate_factory import GenerateContext
 from miles.rollout.tito import Trajectory, TurnRenderer
 from miles.rollout.tools import Tool, ToolCall, load_tools, parse_tool_calls, run_tool_call
@@ -129,22 +136,44 @@ class MultiTurnRollout:
                    metadata=dict(prompt.metadata))
             for j in range(n)
         ]  # fmt: skip
+        images = None
         try:
-            prompt_tokens = self.prompt_tokens(prompt.prompt)
+            if prompt.metadata.get("images"):  # decoding and processing images: off the event loop
+                prompt_tokens, images = await asyncio.to_thread(self.image_prompt_inputs, prompt)
+            else:
+                prompt_tokens = self.prompt_tokens(prompt.prompt)
         except ValueError as err:
             for sample in samples:
                 sample.status = SampleStatus.FAILED
                 sample.metadata["failure"] = str(err)
             return samples
         await asyncio.gather(
-            *(self._generate_sample(s, prompt_tokens, sampling=sampling, seed=seed) for s, seed in zip(samples, seeds))
-        )
+            *(self._generate_sample(s, prompt_tokens, sampling=sampling, seed=seed, images=images)
+              for s, seed in zip(samples, seeds))
+        )  # fmt: skip
         return samples
 
+    def image_prompt_inputs(self, prompt: Sample) -> tuple[list[int], _Images]:
+        """Token ids and image inputs of a prompt with ``metadata["images"]``: its chat messages (few-shot messages
+        added as for text prompts) rendered by the policy's ``VisionProcessor``.
+
+        Raises: ValueError for a text-only policy, a prompt and images that disagree, or a too long prompt.
+        """
+        from miles.rollout.multimodal import image_data
+
+        messages = prompt.prompt if not isinstance(prompt.prompt, list) else self.prompt_messages(prompt.prompt)
+        rendered = Sample(index=0, group_index=prompt.group_index, prompt=messages, metadata=prompt.metadata)
+        tokens, inputs = render_prompt_inputs(self.tokenizer, rendered)
+        if len(tokens) > self.max_prompt_tokens:
+            raise ValueError(f"prompt has {len(tokens)} tokens > max_prompt_tokens")
+        return tokens, _Images(inputs, image_data(prompt.metadata["images"]))
+
     async def _generate_sample(self, sample: Sample, prompt_tokens: list[int], *, sampling: SamplingConfig,
-                               seed: int) -> None:  # fmt: skip
-        """Run the turns of one sample and fill it (see ``generate_group``)."""
+                               seed: int, images: _Images | None = None) -> None:  # fmt: skip
+        """Run the turns of one sample and fill it (see ``generate_group``); ``images``: the prompt's, sent with every
+        turn and kept on the sample."""
         config, trajectory = self.config, Trajectory(list(prompt_tokens))
+        sample.multimodal_inputs = images.inputs if images is not None else None
         messages: list[dict[str, Any]] = []
         sample.metadata.update(messages=messages, num_turns=0, num_tool_calls=0)
         stop_reason, text, output = "max_turns", "", None
@@ -154,7 +183,9 @@ class MultiTurnRollout:
             if budget < sampling.max_new_tokens:  # unchanged otherwise, so the engine batches turns together
                 turn_sampling = sampling.model_copy(update={"max_new_tokens": budget})
             try:
-                output = await self._generate_turn(sample, trajectory.tokens, turn_sampling, sample_seed(seed, turn))
+                output = await self._generate_turn(
+                    sample, trajectory.tokens, turn_sampling, sample_seed(seed, turn), images=images
+                )
             except RequestFailed as err:
                 return _fail(sample, str(err), prompt_tokens)
             aborted_before_sampling = output.finish_reason == "abort" and not output.response_tokens
@@ -204,15 +235,24 @@ class MultiTurnRollout:
             return f"Error: the tool {call.name!r} did not answer within {limit:g} s"
 
     async def _generate_turn(self, sample: Sample, tokens: list[int], sampling: SamplingConfig,
-                             seed: int) -> GenerateOutput:  # fmt: skip
+                             seed: int, *, images: _Images | None = None) -> GenerateOutput:  # fmt: skip
         """One turn's engine output, requested again after an abort while the sample has resubmits left.
         Raises: RequestFailed from the engine."""
+        extra = {"multimodal_inputs": images.inputs, "image_data": images.payload} if images is not None else {}
         while True:
-            output = await self.engine.generate(GenerateRequest(tokens, sampling, seed=seed))
+            output = await self.engine.generate(GenerateRequest(tokens, sampling, seed=seed, **extra))
             resubmits = sample.metadata.get("resubmits", 0)
             if output.finish_reason != "abort" or resubmits == self.max_resubmits:
                 return output
             sample.metadata["resubmits"] = resubmits + 1
+
+
+class _Images:
+    """A prompt's image inputs as the engine and trainer take them (``inputs``) and as base64 files (``payload``,
+    an SGLang-API server's ``image_data``)."""
+
+    def __init__(self, inputs: MultimodalInputs | None, payload: list[str]) -> None:
+        self.inputs, self.payload = inputs, payload
 
 
 async def in_daemon_thread(fn: Any, *args: Any) -> Any:
