@@ -83,7 +83,21 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
         ),
         (
             ["--train.megatron.pipeline-parallel-size", "2"],
-            "pipeline_parallel_size 2 but train.world_size is 1",
+            r"pipeline_parallel_size 2 but train.world_size is 1: .* set --train.world-size to a multiple of 2 "
+            r"\(several ranks run as Ray actors: --execution.mode ray\)",
+        ),
+        (
+            ["--train.megatron.pipeline-parallel-size", "2", "--train.megatron.expert-parallel-size", "2"],
+            r"pipeline_parallel_size 2 with expert_parallel_size 2 is not supported yet; use one of them",
+        ),
+        (  # FSDP2 would ignore the layout without a word
+            ["--train.backend", "fsdp2", "--train.megatron.pipeline-parallel-size", "2"],
+            r"train.megatron.pipeline_parallel_size is 2 but train.backend is 'fsdp2', which does not read "
+            r"train.megatron",
+        ),
+        (
+            ["--train.world-size", "2"],
+            "Set --execution.mode ray to run 2 Megatron ranks as Ray actors",
         ),
     ],
 )

@@ -81,6 +81,8 @@ def main(
     metrics = {key: first[key] + second[key] for key in ("loss", "loss/pg")}
     grads = backend.full_gradients()
     step = backend.optimizer_step()
+    # after a (clipped) step: a tied embedding's copy on the last pipeline stage must have moved as the embedding did
+    log_probs_after = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
     backend.push_weights(1)
     state = backend.full_state_dict()
     adapters = dict(backend._hf_adapters()) if train.lora is not None else None  # what adapter sync would send
@@ -91,6 +93,7 @@ def main(
         torch.save(
             {
                 "log_probs": log_probs,
+                "log_probs_after": log_probs_after,
                 "ref_log_probs": forwarded.ref_log_probs if reference else None,
                 "metrics": metrics,
                 "grads": grads,

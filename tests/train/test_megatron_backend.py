@@ -214,6 +214,9 @@ def test_two_ranks_equal_one_rank(tiny_models, tmp_path, parallel, layout, kind,
         torch.testing.assert_close(result["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
     step = single.optimizer_step()
     assert result["step"]["grad_norm"] == pytest.approx(step["grad_norm"], rel=1e-5)
+    assert step["grad_norm"] > TrainConfig().grad_clip  # the step was clipped
+    after = single.forward(batch, outputs={"old_log_probs"}).old_log_probs  # the tied output weight moved as one
+    torch.testing.assert_close(result["log_probs_after"] * batch.loss_mask, after * batch.loss_mask, atol=1e-5, rtol=0)
     state = single.full_state_dict()
     assert list(result["pushed"]) == list(result["state"])  # the push is the full state, once per tensor
     for name, tensor in state.items():

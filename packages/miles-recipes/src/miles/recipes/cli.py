@@ -131,6 +131,9 @@ common options of LLM recipes (any config key works as --section.key VALUE; dash
   --eval.num-prompts N                  held-out eval prompts (0 = no eval)
   --run.name NAME  --run.dir DIR        where the run directory goes (default runs/<recipe>-<time>)
   --run.num-threads N                   torch threads (1 when another job shares the cores)
+  --train.backend megatron              Megatron-core instead of FSDP2; its layout: --train.megatron.X-parallel-size N
+                                        for X = tensor, pipeline, expert (several ranks: --train.world-size N
+                                        --execution.mode ray, with a server engine)
 a key inside an optional section turns it on (the rest at defaults); --SECTION null turns it off.
 a list takes a comma list or YAML: --eval.pass-k 1,8 or '[1, 8]' (YAML for items that hold a comma).
 

@@ -27,7 +27,7 @@ from miles.rollout.config import (
     RewardConfig,
     check_engine_health_settings,
 )
-from miles.train.config import TrainConfig
+from miles.train.config import BACKEND_NAMES, TrainConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
@@ -161,7 +161,16 @@ class MilesConfig(BaseModel):
     def _check_megatron(self) -> None:
         """Refuse what train.backend megatron does not hold yet, before any model loads."""
         train = self.train
+        mg = train.megatron
         if train.backend != "megatron":
+            sizes = {k: v for k, v in mg.model_dump().items() if v != 1}
+            if sizes:  # a layout the FSDP2 backend would silently ignore
+                key, size = next(iter(sizes.items()))
+                raise ValueError(
+                    f"train.megatron.{key} is {size} but train.backend is {train.backend!r}, which does not read "
+                    f"train.megatron (FSDP2 shards every layer over train.world_size); use --train.backend megatron, "
+                    f"or drop --train.megatron.{key.replace('_', '-')}"
+                )
             return
         lora = train.lora
         refused = (
@@ -180,16 +189,22 @@ class MilesConfig(BaseModel):
             from miles.train.megatron.lora import megatron_targets
 
             megatron_targets(lora.target_modules)  # fused q/k/v and gate/up are targeted whole
-        mg = train.megatron
         tensor_parallel, expert_parallel = mg.tensor_parallel_size, mg.expert_parallel_size
         pipeline_parallel = mg.pipeline_parallel_size
-        if train.world_size % (tensor_parallel * expert_parallel * pipeline_parallel):
+        if pipeline_parallel > 1 and expert_parallel > 1:
+            raise ValueError(
+                f"train.megatron.pipeline_parallel_size {pipeline_parallel} with expert_parallel_size "
+                f"{expert_parallel} is not supported yet; use one of them (--train.megatron.expert-parallel-size 1, or "
+                "--train.megatron.pipeline-parallel-size 1)"
+            )
+        product = tensor_parallel * expert_parallel * pipeline_parallel
+        if train.world_size % product:
             raise ValueError(
                 f"train.megatron.tensor_parallel_size is {tensor_parallel}, expert_parallel_size {expert_parallel} "
                 f"and pipeline_parallel_size {pipeline_parallel} but train.world_size is {train.world_size}: the "
                 "trainer's ranks are tensor_parallel_size x pipeline_parallel_size x data-parallel replicas, the "
-                "replicas split the experts expert_parallel_size ways; pick sizes whose product divides "
-                f"{train.world_size}"
+                "replicas split the experts expert_parallel_size ways; set --train.world-size to a multiple of "
+                f"{product} (several ranks run as Ray actors: --execution.mode ray), or smaller sizes"
             )
 
     def _check_qat(self) -> None:
@@ -245,9 +260,10 @@ class MilesConfig(BaseModel):
         """Refuse a trainer world size the execution mode cannot run, and Ray execution without a server engine."""
         execution, world_size = self.execution, self.train.world_size
         if world_size != 1 and execution.mode == "local":
+            backend = BACKEND_NAMES[self.train.backend]
             raise ValueError(
                 f"train.world_size is {world_size} but execution.mode is 'local', which trains in this one process "
-                f"(world size 1). Set --execution.mode ray to run {world_size} FSDP2 ranks as Ray actors (with a "
+                f"(world size 1). Set --execution.mode ray to run {world_size} {backend} ranks as Ray actors (with a "
                 "server engine: --engine.type sglang --engine.server miles on CPU), or --train.world-size 1."
             )
         check_engine_health_settings(self.engine, execution_mode=execution.mode)

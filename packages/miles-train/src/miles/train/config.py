@@ -145,8 +145,9 @@ class TrainConfig(BaseModel):
     backend: Literal["fsdp2", "megatron"] = Field(
         "fsdp2",
         description="fsdp2: the HF model sharded with FSDP2 (every feature). megatron: the model converted into a "
-        "Megatron-core GPTModel (Llama/Mistral/Qwen2/Qwen3 dense decoders, Qwen3-MoE with routing replay; tensor "
-        "parallelism from train.megatron; fp32; LoRA on dense models, without dropout; no critic yet); needs the "
+        "Megatron-core GPTModel (Llama/Mistral/Qwen2/Qwen3 dense decoders, Qwen3-MoE and DeepSeek-V3 with routing "
+        "replay; tensor, pipeline and expert parallelism from train.megatron; fp32; LoRA on dense models, without "
+        "dropout; no critic yet); needs the "
         "miles-train[megatron] extra.",
     )
     megatron: MegatronConfig = Field(

@@ -743,8 +743,9 @@ class MegatronBackend:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        named = [(n, p) for n, p in self.gpt.named_parameters() if p.grad is not None and not self._tied_copy(n)]
-        grads = [p.grad for _, p in named]
+        named = [(n, p) for n, p in self.gpt.named_parameters() if p.grad is not None]
+        grads = [p.grad for _, p in named]  # every one scaled, the tied copy too (it must stay equal to the embedding)
+        named = [(n, p) for n, p in named if not self._tied_copy(n)]  # counted once in the norm
         # dense: each tensor-parallel shard once (replicated parameters on TP rank 0), summed over the TP ranks;
         # experts: every rank's own (split over expert-parallel and expert-tensor-parallel ranks), summed over both
         dense = torch.zeros((), dtype=torch.float32)
