@@ -144,7 +144,8 @@ class CausalLMView:
     which Megatron's attention takes on every path (its name is ``BLOCK_DIAGONAL_MASK``). Under sequence parallelism
     the sequence is right-padded to a multiple of the tensor-parallel size, and under expert parallelism to the
     longest of the expert-parallel ranks' (their MoE layers all-gather equal token counts), with tokens nothing
-    attends to. Collective over those ranks under expert parallelism (each rank must call it as often).
+    attends to. Collective over those ranks under expert parallelism (each rank must call it as often). On a
+    pipeline stage before the last it raises ``StageOutput`` with the stage's hidden states instead of returning.
 
     Args:
         model: the ``GPTModel`` (or its DDP wrapper); gpt: the ``GPTModel`` itself.
