@@ -518,11 +518,7 @@ class MegatronBackend:
         if self.pipeline_parallel == 1:
             yield from local
             return
-        from megatron.core import parallel_state
-
-        ranks = parallel_state.get_pipeline_model_parallel_group()
-        stage_ranks = dist.get_process_group_ranks(ranks)
-        for stage, src in enumerate(stage_ranks):
+        for stage, src in enumerate(dist.get_process_group_ranks(self.pp_group)):
             mine = stage == self.pp_rank
             while True:
                 item = next(local, None) if mine else None
@@ -623,7 +619,6 @@ class MegatronBackend:
         stage runs the next micro-batch while later stages work on earlier ones), computed on the last stage and
         broadcast to every stage. Collective over the pipeline group."""
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(batches: Iterator[TrainBatch], _model: torch.nn.Module):
             mb = next(batches)
@@ -633,15 +628,7 @@ class MegatronBackend:
                 return stage.hidden, None
             return log_probs, None  # the last stage: kept by the schedule (no loss function)
 
-        kept = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[model],
-            num_microbatches=len(micro_batches),
-            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),  # shapes travel with the tensors
-            micro_batch_size=self.train_cfg.micro_batch_size,
-            forward_only=True,
-        )
+        kept = self._run_schedule(forward_step, model, micro_batches, forward_only=True)
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         shapes = [[tuple(t.shape) for t in kept] if parallel_state.is_pipeline_last_stage() else None]
         dist.broadcast_object_list(shapes, src=last, group=self.pp_group)
@@ -684,6 +671,23 @@ class MegatronBackend:
         self._pending_loss = metrics["loss"]
         return metrics
 
+    def _run_schedule(
+        self, forward_step: Any, model: torch.nn.Module, micro_batches: list[TrainBatch], *, forward_only: bool
+    ) -> list[Any]:
+        """Megatron's pipeline schedule (1F1B) over ``micro_batches`` with ``forward_step(iterator, model)``; returns
+        what the schedule kept on the last stage (an empty list elsewhere). Collective over the pipeline group."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),  # shapes travel with the tensors
+            micro_batch_size=self.train_cfg.micro_batch_size,
+            forward_only=forward_only,
+        )
+
     def _pipelined_forward_backward(
         self, objective: PolicyObjective, batch: TrainBatch, counts: LossCounts
     ) -> dict[str, Tensor]:
@@ -695,7 +699,6 @@ class MegatronBackend:
         point, with their shapes (micro-batches differ in length). Returns: ``accumulate_policy_loss``'s sums,
         the last stage's, on every stage. Collective over the pipeline group."""
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         accumulator = PolicyLossAccumulator(
             objective, batch, counts, world_size=self.dp_size, micro_batch_size=self.train_cfg.micro_batch_size
@@ -711,16 +714,7 @@ class MegatronBackend:
             return loss, lambda out: (out, torch.ones((), dtype=torch.int), {})  # per-token: nothing divided
 
         if accumulator.micro_batches:
-            length = max(mb.tokens.shape[1] for mb in accumulator.micro_batches)
-            get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(accumulator.micro_batches),
-                model=[self.model],
-                num_microbatches=len(accumulator.micro_batches),
-                seq_length=length,  # shapes travel with the tensors (variable_seq_lengths)
-                micro_batch_size=self.train_cfg.micro_batch_size,
-                forward_only=False,
-            )
+            self._run_schedule(forward_step, self.model, accumulator.micro_batches, forward_only=False)
         sums = [accumulator.sums]  # the last stage's metrics, to every stage
         dist.broadcast_object_list(
             sums, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group
