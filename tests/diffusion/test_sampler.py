@@ -95,3 +95,25 @@ def test_noise_comes_from_the_generators_device():
     traj = sample(model, cond, latent_shape=(4, 8, 8), num_steps=2, generator=torch.Generator().manual_seed(4))
     gen = torch.Generator().manual_seed(4)
     assert torch.equal(traj.latents[:, 0], torch.randn(2, 4, 8, 8, generator=gen))  # the initial noise comes first
+
+
+def test_rows_of_a_batch_are_sampled_as_in_the_whole_batch():
+    """What a rank samples (``rows=(total, index)``) equals those rows of the whole batch sampled at once: the
+    initial noise and every step's noise are the rows' own (SDE and ODE samplers)."""
+    from miles.diffusion.sampler import sample_ode
+
+    model = tiny_transformer().eval()
+    cond = conditioning(4, 1)
+    kwargs = dict(latent_shape=(4, 8, 8), num_steps=3)
+    whole = sample(model, cond, **kwargs, generator=torch.Generator().manual_seed(3))
+    index = torch.tensor([1, 3])
+    part = sample(model, cond.rows(index), **kwargs, generator=torch.Generator().manual_seed(3), rows=(4, index))
+    torch.testing.assert_close(part.latents, whole.latents[index], atol=1e-6, rtol=0)
+    torch.testing.assert_close(part.log_probs, whole.log_probs[index], atol=1e-6, rtol=0)
+    ode = sample_ode(model, cond, **kwargs, generator=torch.Generator().manual_seed(3))
+    ode_part = sample_ode(
+        model, cond.rows(index), **kwargs, generator=torch.Generator().manual_seed(3), rows=(4, index)
+    )
+    torch.testing.assert_close(ode_part, ode[index], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="rows index 2 rows, the batch has 4"):
+        sample(model, cond, **kwargs, rows=(4, index))

@@ -97,6 +97,18 @@ def velocity(
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
+def _noise_rows(
+    shape: Sequence[int], generator: torch.Generator | None, device: torch.device | str, rows: tuple[int, Tensor] | None
+) -> Tensor:
+    """``noise(shape)``, or with ``rows = (total, index)`` rows ``index`` of the noise of ``total`` rows."""
+    if rows is None:
+        return noise(shape, generator, device)
+    total, index = rows
+    if len(index) != shape[0]:
+        raise ValueError(f"rows index {len(index)} rows, the batch has {shape[0]}")
+    return noise((total, *shape[1:]), generator, device)[index.to(device)]
+
+
 def _forward(transformer: torch.nn.Module, x: Tensor, timestep: Tensor, cond: Conditioning) -> Tensor:
     return transformer(
         hidden_states=x.to(cond.prompt_embeds.dtype),
@@ -119,6 +131,7 @@ def sample(
     uncond: Conditioning | None = None,
     guidance_scale: float = 1.0,
     generator: torch.Generator | None = None,
+    rows: tuple[int, Tensor] | None = None,
 ) -> Trajectories:
     """Sample one trajectory per row of ``cond`` with the SDE (every step stochastic, with its log-prob).
 
@@ -128,17 +141,19 @@ def sample(
         latent_shape: (C, H, W) of one latent.
         num_steps: T denoising steps; noise_level: Flow-GRPO's a (> 0); shift: the schedule's shift.
         generator: draws the initial noise and every step's noise.
+        rows: ``(total, index)``: ``cond`` holds rows ``index`` (int64 [B]) of a batch of ``total``, and each gets the
+            noise that row gets when the whole batch is sampled at once (ranks sampling their parts of a batch).
     Returns: ``Trajectories`` on the transformer's device.
     """
     device = cond.prompt_embeds.device
     sigmas = flow_sigmas(num_steps, shift=shift).to(device)
     batch = cond.prompt_embeds.shape[0]
-    x = noise((batch, *latent_shape), generator, device)
+    x = _noise_rows((batch, *latent_shape), generator, device, rows)
     latents, log_probs = [x], []
     for i in range(num_steps):
         v = velocity(transformer, x, sigmas[i], cond, uncond=uncond, guidance_scale=guidance_scale)
         step = sde_step(x, v, sigmas[i], sigmas[i + 1], noise_level=noise_level, sigma_max=float(sigmas[1]),
-                        x_next=None, noise=noise(x.shape, generator, x.device))  # fmt: skip
+                        x_next=None, noise=_noise_rows(x.shape, generator, x.device, rows))  # fmt: skip
         x = step.x_next
         latents.append(x)
         log_probs.append(step.log_prob)
@@ -156,6 +171,7 @@ def sample_ode(
     uncond: Conditioning | None = None,
     guidance_scale: float = 1.0,
     generator: torch.Generator | None = None,
+    rows: tuple[int, Tensor] | None = None,
 ) -> Tensor:
     """Sample with the deterministic flow ODE (Euler, ``ode_step``): the evaluation sampler, as Flow-GRPO evaluates.
 
@@ -163,7 +179,7 @@ def sample_ode(
     """
     device = cond.prompt_embeds.device
     sigmas = flow_sigmas(num_steps, shift=shift).to(device)
-    x = noise((cond.prompt_embeds.shape[0], *latent_shape), generator, device)
+    x = _noise_rows((cond.prompt_embeds.shape[0], *latent_shape), generator, device, rows)
     for i in range(num_steps):
         v = velocity(transformer, x, sigmas[i], cond, uncond=uncond, guidance_scale=guidance_scale)
         x = ode_step(x, v, sigmas[i], sigmas[i + 1])

@@ -22,7 +22,12 @@ around the rollout copy (the sampling policy); no log-probs are used. With ``nft
 DiffusionNFT's soft-updated old policy ``theta_old <- eta theta_old + (1 - eta) theta`` (of the trained parameters:
 the adapters with LoRA), pushed to the rollout copy instead of the trained weights.
 
-The trainer holds one process; FSDP2 across ranks and an SGLang-diffusion engine are not wired here yet.
+Several ranks (``mesh``, data parallel): the transformer is sharded with FSDP2 (each transformer block, then the
+root) and every rank holds a whole rollout copy. A step's batch is split so that each rank holds an equal part of
+every mini-batch; each rank samples its rows with the noise those rows get when one process samples the whole batch,
+rewards them, and the rewards are gathered so advantages and metrics are those of the whole batch. The averaged
+gradients and the step then equal one process's (up to fp32 summation order). An SGLang-diffusion engine is not
+wired here yet.
 """
 
 from __future__ import annotations
@@ -46,9 +51,10 @@ from miles.diffusion.nft import diffusion_nft_loss, forward_noised, old_policy_d
 from miles.diffusion.rewards import to_uint8
 from miles.diffusion.sampler import Conditioning, Trajectories, sample, sample_ode, step_transition, velocity
 from miles.sync import InProcessTransport, WeightReceiver, WeightSender
-from miles.train.fsdp2.lora import adapter_dropout, adapters_disabled, apply_lora, merged_weights
+from miles.train.fsdp2.lora import adapter_dropout, adapters_disabled, apply_lora, full_tensor, merged_weights
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +71,18 @@ class Rollout:
     """One step's samples.
 
     Attributes:
-        prompts: [B] the prompt of each image (each prompt ``group_size`` times in a row).
+    B is the step's whole batch (``prompts_per_step`` x ``group_size`` images, each prompt's group in a row), b the
+    rows this rank holds (``rows``; b = B on one rank).
+
+    Attributes:
+        prompts: [b] the prompt of each image.
         trajectories: their SDE trajectories and per-step log-probs.
-        images: [B, H, W, 3] uint8, the decoded final samples.
-        rewards: [B] float32.
-        advantages: [B] float32, group-normalized.
+        images: [b, H, W, 3] uint8, the decoded final samples.
+        rewards: [b] float32.
+        advantages: [b] float32, normalized in the groups of the whole batch.
         weight_version: the rollout copy's weight version that sampled them.
+        rows: [b] int64, the rows' indices in the whole batch.
+        all_rewards: [B] float32, every rank's rewards in batch order.
     """
 
     prompts: list[str]
@@ -79,6 +91,42 @@ class Rollout:
     rewards: Tensor
     advantages: Tensor
     weight_version: int
+    rows: Tensor
+    all_rewards: Tensor
+
+
+def rank_rows(batch: int, updates: int, rank: int, world_size: int) -> Tensor:
+    """The rows of a batch that one of ``world_size`` data-parallel ranks holds: of each of the ``updates``
+    consecutive mini-batches, its ``rank``-th equal part, so every optimizer step averages the same images as one
+    process's.
+
+    Returns: int64 [batch / world_size], ascending.
+    Raises: ValueError when ``updates x world_size`` does not divide ``batch``.
+    """
+    if batch % (updates * world_size):
+        raise ValueError(f"{updates} mini-batches x {world_size} ranks must divide the batch of {batch} images")
+    per_update = batch // updates
+    part = per_update // world_size
+    starts = [u * per_update + rank * part for u in range(updates)]
+    return torch.cat([torch.arange(start, start + part) for start in starts])
+
+
+def shard_transformer(transformer: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 (``fully_shard``) on each of the transformer's blocks, then on the rest (the root), in place: each
+    block's parameters are all-gathered just for its forward and backward.
+
+    Raises: ValueError for a transformer without ``transformer_blocks`` (the SD3 family's).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = getattr(transformer, "transformer_blocks", None)
+    if blocks is None:
+        raise ValueError(
+            f"{type(transformer).__name__} has no transformer_blocks: several ranks shard SD3-family transformers"
+        )
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(transformer, mesh=mesh)
 
 
 class FlowGRPOTrainer:
@@ -89,6 +137,10 @@ class FlowGRPOTrainer:
         config: the settings.
         reward: ``(prompts, images uint8 [B, H, W, 3]) -> [B]`` rewards.
         bucket_bytes: ``miles.sync`` bucket size of the weight push.
+        mesh: a 1-D data-parallel mesh (gloo on CPU, NCCL on GPU) of several ranks, each running this trainer with
+            the same arguments and the same prompts each step (module docstring); None: one process.
+
+    Raises: ValueError when the ranks cannot split each mini-batch equally (``rank_rows``), naming the settings.
 
     Attributes:
         policy: the trained transformer (with ``config.lora``: its adapters injected, peft); rollout_transformer: the
@@ -98,9 +150,24 @@ class FlowGRPOTrainer:
     """
 
     def __init__(
-        self, model: FlowModel, config: FlowGRPOConfig, reward: ImageReward, *, bucket_bytes: int = 64 * 2**20
+        self,
+        model: FlowModel,
+        config: FlowGRPOConfig,
+        reward: ImageReward,
+        *,
+        bucket_bytes: int = 64 * 2**20,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         self.model, self.config, self.reward = model, config, reward
+        self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
+        self.rank, self.world_size = (mesh.get_local_rank(), mesh.size()) if self.mesh is not None else (0, 1)
+        try:
+            self.rows = rank_rows(config.batch_size, config.updates_per_rollout, self.rank, self.world_size)
+        except ValueError:
+            raise ValueError(
+                f"algorithm.prompts_per_step x group_size ({config.batch_size}) must split into "
+                f"algorithm.updates_per_rollout ({config.updates_per_rollout}) x {self.world_size} ranks equal parts"
+            ) from None
         self.policy = model.transformer.float().train()
         self.rollout_transformer = copy.deepcopy(self.policy).eval().requires_grad_(False)
         self.reference = None  # the run's starting weights, for flow_grpo's KL (LoRA: the policy, adapters off)
@@ -108,6 +175,8 @@ class FlowGRPOTrainer:
             apply_lora(self.policy, config.lora, key="algorithm.lora")
         elif config.kl_coef > 0:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        if self.mesh is not None:
+            shard_transformer(self.policy, self.mesh)
         self._rollout_tensors = dict(self.rollout_transformer.state_dict(keep_vars=True))
         self.receiver = WeightReceiver(apply_fn=self._load_rollout)
         self.sender = WeightSender(InProcessTransport(self.receiver), bucket_bytes=bucket_bytes, codec="identity")
@@ -140,7 +209,9 @@ class FlowGRPOTrainer:
         if self.config.lora is not None:
             named = merged_weights(self.policy, named if everything else self._adapted(), adapters=self.old_params)
         elif self.old_params is not None:
-            named = [(name, self.old_params.get(name, t)) for name, t in named]
+            named = ((name, full_tensor(self.old_params.get(name, t))) for name, t in named)
+        else:
+            named = ((name, full_tensor(t)) for name, t in named)
         with torch.no_grad():
             return self.sender.push(named, version=version)
 
@@ -152,16 +223,19 @@ class FlowGRPOTrainer:
     @contextlib.contextmanager
     def trained_transformer(self) -> Iterator[torch.nn.Module]:
         """A plain transformer holding the trained weights inside the block (what a checkpoint's ``model/`` saves):
-        the policy; with LoRA the rollout copy, which every ``train`` ends by loading with the merged weights (with
-        ``nft_decay_rate`` it holds the old policy: its adapted layers hold the merged trained weights inside the
-        block, and the old policy's again after it)."""
-        if self.config.lora is None:
+        the policy; with LoRA or several ranks the rollout copy, which every ``train`` ends by loading with the
+        (merged, whole) weights (with ``nft_decay_rate`` it holds the old policy: it holds the trained weights inside
+        the block, and the old policy's again after it). Collective on several ranks."""
+        if self.config.lora is None and self.mesh is None:
             yield self.policy
             return
         if self.old_params is None:
             yield self.rollout_transformer
             return
-        merged = dict(merged_weights(self.policy, self._adapted()))
+        if self.config.lora is not None:
+            merged = dict(merged_weights(self.policy, self._adapted()))
+        else:
+            merged = {name: full_tensor(t) for name, t in self.policy.state_dict().items()}
         held = {name: self._rollout_tensors[name].detach().clone() for name in merged}
         self._load_rollout(list(merged.items()))
         try:
@@ -177,24 +251,83 @@ class FlowGRPOTrainer:
     def rollout(self, prompts: Sequence[str], *, step: int) -> Rollout:
         """Sample and reward ``group_size`` images per prompt with the rollout copy; the noise depends only on
         (``config.seed``, ``step``), so a resumed run samples what an uninterrupted one would.
+        On several ranks each samples and rewards its rows (``rank_rows``) of the whole batch; every rank passes the
+        same ``prompts``.
 
-        Raises: RewardFailed if the reward raises or returns other than one finite float per image.
+        Raises: RewardFailed if the reward raises or returns other than one finite float per image (on any rank).
         """
         cfg = self.config
-        expanded = [prompt for prompt in prompts for _ in range(cfg.group_size)]
+        everyone = [prompt for prompt in prompts for _ in range(cfg.group_size)]
+        rows = self._rows(len(everyone))
+        expanded = [everyone[i] for i in rows.tolist()]
         cond, uncond = self._conditions(expanded)
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         trajectories = sample(
             self.rollout_transformer, cond, latent_shape=self.model.latent_shape, num_steps=cfg.num_steps,
             noise_level=cfg.noise_level, shift=cfg.shift, uncond=uncond, guidance_scale=cfg.guidance_scale,
-            generator=generator,
+            generator=generator, rows=(len(everyone), rows) if self.mesh is not None else None,
         )  # fmt: skip
         with torch.no_grad():
             images = to_uint8(self.model.decode(trajectories.latents[:, -1]))
-        rewards = self.score(expanded, images)
+        rewards = self._score_everywhere(expanded, images)
+        all_rewards = self._gather_rows(rewards, len(everyone))
         group_index = torch.arange(len(prompts)).repeat_interleave(cfg.group_size)
-        advantages = grpo_advantages(rewards, group_index, normalize_std=cfg.normalize_std)
-        return Rollout(expanded, trajectories, images, rewards, advantages, self.receiver.weight_version)
+        advantages = grpo_advantages(all_rewards, group_index, normalize_std=cfg.normalize_std)[rows]
+        return Rollout(
+            expanded, trajectories, images, rewards, advantages, self.receiver.weight_version, rows, all_rewards
+        )
+
+    def _rows(self, batch: int) -> Tensor:
+        """This rank's rows of a batch of ``batch`` images (all of them on one process)."""
+        if batch == self.config.batch_size:
+            return self.rows
+        try:
+            return rank_rows(batch, self.config.updates_per_rollout, self.rank, self.world_size)
+        except ValueError as err:
+            raise ValueError(f"{batch} images per step: {err}") from None
+
+    def _score_everywhere(self, prompts: Sequence[str], images: np.ndarray) -> Tensor:
+        """``score`` on every rank; a failure on one rank raises RewardFailed on all (none waits for the others)."""
+        rewards, failure = torch.zeros(len(prompts)), None
+        if prompts:  # a rank with no rows (an evaluation of fewer prompts than ranks) calls no reward
+            try:
+                rewards = self.score(prompts, images)
+            except RewardFailed as err:
+                failure = err
+        if self.mesh is None:
+            if failure is not None:
+                raise failure
+            return rewards
+        failed = torch.tensor([float(failure is not None)])
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=self.mesh.get_group())
+        if failure is not None:
+            raise failure
+        if failed.item():
+            raise RewardFailed("the reward failed on another rank (its log names the error)")
+        return rewards
+
+    def _gather_rows(self, values: Tensor, batch: int) -> Tensor:
+        """Every rank's ``values`` [b] (its rows, ``_rows``) as one [batch] tensor in batch order."""
+        if self.mesh is None:
+            return values
+        parts = [torch.empty_like(values) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, values.contiguous(), group=self.mesh.get_group())
+        out = torch.empty(batch, dtype=values.dtype)
+        for rank, part in enumerate(parts):
+            out[rank_rows(batch, self.config.updates_per_rollout, rank, self.world_size)] = part
+        return out
+
+    def _reduce(self, values: dict[str, float], *, op: str) -> dict[str, float]:
+        """``values`` averaged (``op="mean"``) or maximized (``"max"``) over the ranks, keys in the same order."""
+        if self.mesh is None or not values:
+            return values
+        keys = sorted(values)
+        packed = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+        torch.distributed.all_reduce(packed, op=reduce_op, group=self.mesh.get_group())
+        if op == "mean":
+            packed /= self.world_size
+        return dict(zip(keys, packed.tolist()))
 
     def score(self, prompts: Sequence[str], images: np.ndarray) -> Tensor:
         """The reward of each image, checked: [B] float32.
@@ -235,6 +368,10 @@ class FlowGRPOTrainer:
         with dropout:
             for update in range(cfg.updates_per_rollout):
                 applied += self._update(rollout, cond, uncond, step=step, update=update, sums=sums)
+        global_keys = {"loss", "grad_norm", "logprob_diff"}  # already the whole batch's, or a maximum
+        sums.update(self._reduce({k: v for k, v in sums.items() if k not in global_keys}, op="mean"))
+        if "logprob_diff" in sums:
+            sums.update(self._reduce({"logprob_diff": sums["logprob_diff"]}, op="max"))
         if self.old_params is not None:
             sums["nft/old_decay"] = self._soft_update()
         version = self.publish()
@@ -255,7 +392,8 @@ class FlowGRPOTrainer:
         """One optimizer step on mini-batch ``update`` of the rollout; adds its metrics into ``sums`` (the
         largest log-prob gap of the first one into ``sums["logprob_diff"]``). Returns: 1 if the step applied."""
         cfg = self.config
-        per_update = len(rollout.prompts) // cfg.updates_per_rollout
+        per_update = len(rollout.prompts) // cfg.updates_per_rollout  # this rank's part of the mini-batch
+        batch_rows = len(rollout.all_rewards) // cfg.updates_per_rollout  # the whole mini-batch's
         traj = rollout.trajectories
         steps = self._train_steps(step, update)
         loss_total = 0.0
@@ -266,8 +404,9 @@ class FlowGRPOTrainer:
             mb_uncond = uncond.rows(rows) if uncond is not None else None
             weight = (rows.stop - rows.start) / per_update
             for i in steps:  # one backward per denoising step: activations of one step at a time
+                noise_rows = rollout.rows[rows] - update * batch_rows  # rows of the mini-batch: NFT's noise
                 loss, metrics = self._step_loss(
-                    rollout, mb_traj, mb_cond, mb_uncond, rows, i, seed=(step, update, rows.start)
+                    rollout, mb_traj, mb_cond, mb_uncond, rows, i, seed=(step, update, batch_rows, noise_rows)
                 )
                 diff = metrics.pop("logprob_diff", None)
                 if diff is not None and update == 0:
@@ -277,6 +416,7 @@ class FlowGRPOTrainer:
                 loss_total += float(loss.detach()) * scale
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value) * scale / cfg.updates_per_rollout
+        loss_total = self._reduce({"loss": loss_total}, op="mean")["loss"]  # every rank steps, or none does
         grad_norm, ok = guarded_step(
             self.policy, self.optimizer, self.scheduler, loss=loss_total, grad_clip=cfg.grad_clip,
             skip_nonfinite=cfg.skip_nonfinite_steps, step=step, what="transformer", lr_key="algorithm.lr",
@@ -294,16 +434,18 @@ class FlowGRPOTrainer:
         rows: slice,
         i: int,
         *,
-        seed: tuple[int, int, int],
+        seed: tuple[int, int, int, Tensor],
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of denoising step ``i`` of the micro-batch ``rows`` (``config.loss``), and its metrics."""
+        """The loss of denoising step ``i`` of the micro-batch ``rows`` (``config.loss``), and its metrics.
+        ``seed``: (step, update, rows in the mini-batch, the micro-batch's rows in it): DiffusionNFT's noise of a row
+        depends on these only, not on micro-batches or ranks."""
         cfg = self.config
         advantages = rollout.advantages[rows].to(traj.latents.device)
         if cfg.loss == "diffusion_nft":  # flow matching at the step's time on the sampled clean images
             x0 = traj.latents[:, -1]
-            step, update, start = seed
-            generator = torch.Generator().manual_seed(cfg.seed * 104_729 + step * 8191 + update * 127 + start * 31 + i)
-            eps = torch.randn(x0.shape, generator=generator).to(x0.device)
+            step, update, batch_rows, noise_rows = seed
+            generator = torch.Generator().manual_seed(cfg.seed * 104_729 + step * 8191 + update * 127 + i)
+            eps = torch.randn((batch_rows, *x0.shape[1:]), generator=generator)[noise_rows].to(x0.device)
             sigma = traj.sigmas[i]
             x_t, target = forward_noised(x0, sigma, eps)
             with torch.no_grad():
@@ -366,9 +508,9 @@ class FlowGRPOTrainer:
         rollout_time = time.perf_counter() - start
         metrics = self.train(rollout, step=step)
         self.steps_done += 1
-        stds = rollout.rewards.view(-1, self.config.group_size).std(dim=1)
+        stds = rollout.all_rewards.view(-1, self.config.group_size).std(dim=1)
         return {
-            "reward/mean": float(rollout.rewards.mean()),
+            "reward/mean": float(rollout.all_rewards.mean()),
             "reward/std_in_group": float(stds.mean()),
             "reward/no_signal_groups": float((stds == 0).float().mean()),
             "rollout/weight_version": float(rollout.weight_version),
@@ -380,17 +522,29 @@ class FlowGRPOTrainer:
     @torch.no_grad()
     def evaluate(self, prompts: Sequence[str], *, seed: int) -> tuple[float, np.ndarray]:
         """Mean reward of one ODE sample (deterministic given the noise) per prompt, from noise seeded by ``seed``
-        (held out: keep it apart from ``config.seed``). Returns: (mean reward, images [B, H, W, 3] uint8).
-        Raises: RewardFailed (``score``)."""
-        cond, uncond = self._conditions(prompts)
-        latents = sample_ode(
-            self.rollout_transformer, cond, latent_shape=self.model.latent_shape, num_steps=self.config.num_steps,
-            shift=self.config.shift, uncond=uncond, guidance_scale=self.config.guidance_scale,
-            generator=torch.Generator().manual_seed(seed),
-        )  # fmt: skip
-        images = to_uint8(self.model.decode(latents))
-        rewards = self.score(prompts, images).tolist()
-        return (math.fsum(rewards) / len(rewards), images)
+        (held out: keep it apart from ``config.seed``). Returns: (mean reward, images [B, H, W, 3] uint8). On several
+        ranks each samples every ``world_size``-th prompt and all return the whole result (collective).
+        Raises: RewardFailed (``score``, on any rank)."""
+        index = torch.arange(self.rank, len(prompts), self.world_size)
+        mine = [prompts[i] for i in index.tolist()]
+        images, rewards = None, torch.zeros(0)
+        if mine:
+            cond, uncond = self._conditions(mine)
+            latents = sample_ode(
+                self.rollout_transformer, cond, latent_shape=self.model.latent_shape, num_steps=self.config.num_steps,
+                shift=self.config.shift, uncond=uncond, guidance_scale=self.config.guidance_scale,
+                generator=torch.Generator().manual_seed(seed), rows=(len(prompts), index) if self.mesh else None,
+            )  # fmt: skip
+            images = to_uint8(self.model.decode(latents))
+        rewards = self._score_everywhere(mine, images) if mine or self.mesh else rewards
+        if self.mesh is not None:
+            parts: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(parts, (index, rewards, images), group=self.mesh.get_group())
+            order = torch.cat([part[0] for part in parts]).argsort()
+            rewards = torch.cat([part[1] for part in parts])[order]
+            images = np.concatenate([part[2] for part in parts if part[2] is not None])[order.numpy()]
+        values = rewards.tolist()
+        return (math.fsum(values) / len(values), images)
 
     def state_dict(self) -> dict[str, Any]:
         """What an exact resume needs: the transformer (with LoRA its adapters only: the base is the run's model as
@@ -399,12 +553,19 @@ class FlowGRPOTrainer:
         transformer = self.policy.state_dict()
         if self.config.lora is not None:
             transformer = {name: t for name, t in transformer.items() if ".lora_" in name}
-        extra = {"old_params": {n: t.clone() for n, t in self.old_params.items()}} if self.old_params else {}
+        transformer = {name: full_tensor(t) for name, t in transformer.items()}
+        extra = (
+            {"old_params": {n: full_tensor(t).clone() for n, t in self.old_params.items()}} if self.old_params else {}
+        )
+        optimizer = self.optimizer.state_dict()
+        if self.mesh is not None:  # the whole moments, as one process holds them: any layout resumes from them
+            whole = {i: {k: full_tensor(v) for k, v in held.items()} for i, held in optimizer["state"].items()}
+            optimizer = {**optimizer, "state": whole}
         return {
             **extra,
             "weight_version": self.receiver.weight_version,
             "transformer": transformer,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "steps_done": self.steps_done,
         }
@@ -415,11 +576,14 @@ class FlowGRPOTrainer:
 
         The optimizer's moments and the schedule's position come from ``state``; its settings (``lr``,
         ``weight_decay``, ``warmup_steps``) from this trainer's config, so a resumed run may change them (a changed
-        one is logged).
+        one is logged). The tensors are whole (``state_dict``'s, of any number of ranks); several ranks take their
+        shards of them.
         """
         cfg = self.config
         if cfg.lora is None:
-            self.policy.load_state_dict(state["transformer"])
+            if set(state["transformer"]) != set(self.policy.state_dict()):
+                raise ValueError("the saved transformer's tensors are not this transformer's (another model?)")
+            _load_whole(self.policy, state["transformer"])
         else:  # the adapters onto the base as loaded, every one of them
             held = {name for name in self.policy.state_dict() if ".lora_" in name}
             if set(state["transformer"]) != held:
@@ -428,8 +592,13 @@ class FlowGRPOTrainer:
                     f"the saved LoRA adapters do not fit algorithm.lora: missing {missing[:3]}, unexpected "
                     f"{extra[:3]} (a checkpoint of another algorithm.lora.target_modules?)"
                 )
-            self.policy.load_state_dict(state["transformer"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+            _load_whole(self.policy, state["transformer"])
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        moments = {
+            i: {k: _shard_like(v, params[int(i)]) for k, v in held.items()}
+            for i, held in state["optimizer"]["state"].items()
+        }
+        self.optimizer.load_state_dict({**state["optimizer"], "state": moments})
         saved = state["optimizer"]["param_groups"][0]
         for key, now in (("lr", cfg.lr), ("weight_decay", cfg.weight_decay)):
             before = saved.get("initial_lr" if key == "lr" else key)
@@ -443,7 +612,7 @@ class FlowGRPOTrainer:
         if self.old_params is not None:
             if "old_params" in state:
                 for name, tensor in state["old_params"].items():
-                    self.old_params[name].copy_(tensor)
+                    self.old_params[name].copy_(_shard_like(tensor, self.old_params[name]))
             else:  # a checkpoint of a run without the soft update: it starts from the trained weights
                 logger.info("algorithm.nft_decay_rate is on but the checkpoint has no old policy: it starts as the "
                             "checkpoint's weights")  # fmt: skip
@@ -451,3 +620,20 @@ class FlowGRPOTrainer:
                     if name in self.old_params:
                         self.old_params[name].copy_(param.detach())
         self.publish(version=max(int(state["weight_version"]), self.sender.version + 1), everything=True)
+
+
+def _shard_like(whole: Tensor, like: Tensor) -> Tensor:
+    """``whole`` as ``like`` holds it: this rank's shard when ``like`` is a DTensor of the same shape, else as is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(like, DTensor) and tuple(whole.shape) == tuple(like.shape):
+        return distribute_tensor(whole.to(like.dtype), like.device_mesh, like.placements)
+    return whole
+
+
+@torch.no_grad()
+def _load_whole(module: torch.nn.Module, whole: dict[str, Tensor]) -> None:
+    """Copy whole tensors into ``module``'s state by name (sharded or not); names not in ``whole`` stay."""
+    held = module.state_dict()
+    for name, tensor in whole.items():
+        held[name].copy_(_shard_like(tensor, held[name]))

@@ -160,7 +160,8 @@ def adapter_dropout(model: nn.Module) -> Iterator[None]:
             layer.lora_dropout.eval()
 
 
-def _full(tensor: Tensor) -> Tensor:
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole of ``tensor`` (detached): a DTensor all-gathered (collective: every rank calls it), else itself."""
     with torch.no_grad():  # per tensor: DTensor.full_tensor is collective on a sharded model
         return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
 
@@ -182,16 +183,16 @@ def merged_weights(
         if ".lora_" in name:
             continue
         if _BASE not in name:
-            yield name, _full(tensor)
+            yield name, full_tensor(tensor)
             continue
         prefix, suffix = name.split(_BASE, 1)
-        full = _full(tensor)
+        full = full_tensor(tensor)
         if suffix == "weight":
             layer = layers[prefix]
             a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
             if adapters is not None:
                 a, b = adapters[f"{prefix}.lora_A.{ADAPTER}.weight"], adapters[f"{prefix}.lora_B.{ADAPTER}.weight"]
-            full = _merged(full, _full(a), _full(b), layer.scaling[ADAPTER])
+            full = _merged(full, full_tensor(a), full_tensor(b), layer.scaling[ADAPTER])
         yield f"{prefix}.{suffix}", full
 
 
@@ -208,7 +209,7 @@ def adapter_weights(model: nn.Module, named: Iterable[tuple[str, Tensor]]) -> It
     for name, tensor in named:
         if ".lora_" not in name:
             continue
-        full = _full(tensor)
+        full = full_tensor(tensor)
         if f".lora_B.{ADAPTER}." in name:
             prefix = name.split(".lora_B.", 1)[0]
             with torch.no_grad():
