@@ -371,3 +371,77 @@ def test_resume_from_a_run_directory_continues_its_latest_checkpoint(tmp_path):
     (checkpoint / "config.yaml").write_text(yaml.safe_dump(resolve_config(RECIPE, []).model_dump(mode="json")))
     cfg, run_dir, resumed_from = resolve_resume(str(run), RECIPE, ["--loop.num-steps", "40"])
     assert (run_dir, resumed_from, cfg.loop.num_steps) == (run, checkpoint, 40)  # not the run's parent's parent
+
+
+# -- several ranks (--run.world-size 2: spawned ranks, FSDP2 over the transformer, gloo) --------------------------
+RANKS_COMPARED = ("reward/mean", "reward/std_in_group", "loss", "grad_norm", "weight_version", "approx_kl", "clipfrac")
+TWO = ("--run.world-size", "2", "--run.num-threads", "1")
+
+
+def _same_rows(one, two):
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        for key in (*RANKS_COMPARED, "eval/reward"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
+
+
+def _same_weights(a, b):
+    for name, tensor in a.items():
+        torch.testing.assert_close(b[name], tensor, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.integration
+def test_two_ranks_train_as_one_process_stop_together_and_resume_in_one(tmp_path, monkeypatch):
+    """Two ranks, stopped by a SIGINT that only rank 1 gets (in step 2), then resumed in one process, equal a
+    straight one-process run: the ranks agree on the step to stop at, rank 0 saves, and a checkpoint holds whole
+    tensors whatever the layout."""
+    plugin = tmp_path / "diffusion_ranks_interrupting_reward.py"
+    plugin.write_text(
+        "import os, signal\nfrom miles.diffusion.rewards import IMAGE_REWARDS\n"
+        "def reward(prompts, images):\n"
+        "    if 'a yellow image' in prompts and not os.path.exists('stopped'):\n"
+        "        open('stopped', 'w').close()  # once: a resumed run's ranks are new processes\n"
+        "        os.kill(os.getpid(), signal.SIGINT)  # rank 1, which holds step 2's yellow group\n"
+        "    return IMAGE_REWARDS['jpeg_compressibility'](prompts, images)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    steps = ("--reward.path", f"{plugin}:reward", "--algorithm.updates-per-rollout", "2", "--eval.interval", "2",
+             "--loop.save-interval", "1")  # fmt: skip
+    assert train(tmp_path, "two", "--loop.num-steps", "3", *steps, *TWO) == 130
+    run = tmp_path / "two"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert [r["step"] for r in rows(run)] == [0, 1, 2, 2]  # step 0's eval, steps 1-2, step 2's eval
+    assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_0.png", "step_2.png"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    more = ("--resume", "--run.progress", "false", "--run.world-size", "1")
+    assert main(["train", "--run.dir", str(tmp_path), "--run.name", "two", *more]) == 0
+    assert train(tmp_path, "one", "--loop.num-steps", "3", *steps, "--run.num-threads", "1") == 0
+    _same_rows(rows(tmp_path / "one"), rows(run))
+    for step in (2, 3):
+        _same_weights(
+            *(transformer_weights(tmp_path / name / "checkpoints" / f"step_{step}") for name in ("one", "two"))
+        )
+
+
+@pytest.mark.slow
+def test_a_reward_failing_on_one_rank_ends_the_run_in_one_line_naming_it(tmp_path, capsys):
+    plugin = tmp_path / "diffusion_one_rank_reward.py"  # rank 1 holds the second prompt's group
+    plugin.write_text(
+        "def reward(prompts, images):\n"
+        "    if 'a blue image' in prompts:\n"
+        "        raise RuntimeError('blue is out of stock')\n"
+        "    return [1.0] * len(images)\n"
+    )
+    code = train(tmp_path, "f", "--loop.num-steps", "2", "--eval.interval", "0", "--reward.path", f"{plugin}:reward",
+                 *TWO)  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search("the reward raised RuntimeError: blue is out of stock", err[0]), err
+
+
+def test_the_ranks_must_split_every_mini_batch(capsys):
+    with pytest.raises(ValueError, match=r"updates_per_rollout \(2\) x run.world_size \(3\) equal parts"):
+        resolve_config(
+            "tiny_flow_grpo_compressibility", ["--run.world-size", "3", "--algorithm.updates-per-rollout", "2"]
+        )

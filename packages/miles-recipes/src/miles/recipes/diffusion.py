@@ -8,8 +8,10 @@ DiffusionNFT (``miles.diffusion.trainer``) and write the run directory the LLM r
 
 Checkpoints are published whole or not at all (``miles.recipes.checkpoint``); Ctrl-C finishes the step, saves and
 stops, and ``miles train --run.name NAME --resume`` continues exactly (the rollout noise depends only on the seed and
-the step). Models: the tiny twin (``tiny-flow``), diffusers StableDiffusion3Pipeline directories (SD3, SD3.5; the
-random ``tiny-sd3`` runs that path here), or a flow model a run saved.
+the step). ``run.world_size`` > 1 trains in that many spawned processes (FSDP2 over the transformer, rank 0
+writing the run directory; ``_run_ranks``). Models: the tiny twin (``tiny-flow``), diffusers
+StableDiffusion3Pipeline directories (SD3, SD3.5; the random ``tiny-sd3`` runs that path here), or a flow model a
+run saved.
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ class FlowRunConfig(_Section):
     dir: str = Field("runs", description="Parent directory of run directories.")
     num_threads: int | None = Field(None, ge=1, description="torch threads (None: torch's default).")
     progress: bool = Field(True, description="Show a console progress bar with the key metrics.")
+    world_size: int = Field(1, ge=1, description="Data-parallel ranks on this machine, one process each: FSDP2 over "
+                            "the transformer, each rank samples its part of every mini-batch (gloo on the CPU, NCCL "
+                            "with one GPU per rank); rank 0 writes the run directory.")  # fmt: skip
 
 
 class DiffusionConfig(_Section):
@@ -144,6 +149,17 @@ class DiffusionConfig(_Section):
     eval: FlowEvalConfig = Field(default_factory=FlowEvalConfig, description="Held-out evaluation.")
     loop: FlowLoopConfig = Field(default_factory=FlowLoopConfig, description="Steps and checkpoints.")
     run: FlowRunConfig = Field(default_factory=FlowRunConfig, description="Outputs and process settings.")
+
+    @model_validator(mode="after")
+    def _ranks_split_the_batch(self) -> DiffusionConfig:
+        algo, ranks = self.algorithm, self.run.world_size
+        if algo.batch_size % (algo.updates_per_rollout * ranks):
+            raise ValueError(
+                f"algorithm.prompts_per_step x group_size ({algo.batch_size}) must split into "
+                f"algorithm.updates_per_rollout ({algo.updates_per_rollout}) x run.world_size ({ranks}) equal parts: "
+                "each rank trains an equal part of every mini-batch"
+            )
+        return self
 
 
 def is_diffusion(raw: dict[str, Any]) -> bool:
@@ -178,13 +194,19 @@ class _CheckpointedTrainer:
     def __init__(self, trainer: FlowGRPOTrainer, model: FlowModel) -> None:
         self.trainer, self.model = trainer, model
 
-    def save(self, directory: Path) -> None:
-        for name, tensor in self.trainer.policy.state_dict().items():
+    def save(self, directory: Path | None) -> None:
+        """Write the checkpoint files into ``directory``. Collective on several ranks: each calls it, rank 0 with
+        the directory, the others with None (they gather with it and write nothing).
+        Raises: FloatingPointError naming a trained tensor that is not finite (nothing written)."""
+        state = self.trainer.state_dict()
+        for name, tensor in state["transformer"].items():
             if not bool(torch.isfinite(tensor).all()):
                 raise FloatingPointError(f"the transformer's {name} is not finite: not saving it")
         with self.trainer.trained_transformer() as transformer:
-            save_flow_model(dataclasses.replace(self.model, transformer=transformer), Path(directory) / "model")
-        state = self.trainer.state_dict()
+            if directory is not None:
+                save_flow_model(dataclasses.replace(self.model, transformer=transformer), Path(directory) / "model")
+        if directory is None:
+            return
         transformer = state.pop("transformer")
         if self.trainer.config.lora is not None:
             state["adapters"] = transformer
@@ -306,11 +328,28 @@ def save_png(
 def run_diffusion(
     cfg: DiffusionConfig, run_dir: Path, *, resume_from: Path | None = None, replace_existing: bool = False
 ):
-    """Train per ``cfg`` (module docstring) and return ``miles.recipes.run.RunResult``.
+    """Train per ``cfg`` (module docstring) and return ``miles.recipes.run.RunResult``; with ``run.world_size`` > 1
+    in that many processes (``_run_ranks``).
 
     Raises: RunSetupError for a model or reward that cannot be built (nothing written yet); RunInputError when the
-    reward fails on the images; KeyboardInterrupt on a second Ctrl-C (the last checkpoint stays).
+    reward fails on the images; RunFailed when a rank dies; KeyboardInterrupt on a second Ctrl-C (the last
+    checkpoint stays).
     """
+    if cfg.run.world_size > 1:
+        return _run_ranks(cfg, run_dir, resume_from=resume_from, replace_existing=replace_existing)
+    return _train(cfg, run_dir, resume_from=resume_from, replace_existing=replace_existing)
+
+
+def _train(
+    cfg: DiffusionConfig,
+    run_dir: Path,
+    *,
+    resume_from: Path | None = None,
+    replace_existing: bool = False,
+    mesh: Any = None,
+):
+    """``run_diffusion`` in this process: alone (``mesh`` None), or as one of the ranks of ``mesh`` (a 1-D
+    ``DeviceMesh``): every rank builds and trains, rank 0 alone writes the run directory and the console."""
     from diffusers.utils import logging as diffusers_logging
     from miles.recipes.checkpoint import restore_run_checkpoint, save_run_checkpoint, write_atomic
     from miles.recipes.interrupts import StopRequest
@@ -327,9 +366,21 @@ def run_diffusion(
 
     hf_logging.disable_progress_bar()  # loading bars; the console sink owns the progress bar
     diffusers_logging.disable_progress_bar()
+    rank = mesh.get_local_rank() if mesh is not None else 0
+    writer = rank == 0
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
-    with _run_log(run_dir) as start_log:
+
+    signals = [None, "SIGINT", "SIGTERM"]
+
+    def agreed(requested: str | None) -> str | None:  # a stop every rank takes at the same step, and its signal
+        if mesh is None:
+            return requested
+        value = torch.tensor([float(signals.index(requested))])
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+        return signals[int(value.item())]
+
+    with _run_log(run_dir) if writer else contextlib.nullcontext(lambda: None) as start_log:
         if resume_from is not None:  # the checkpoint's transformer loads into this model: it must be the same one
             saved_cfg = yaml.safe_load((Path(resume_from) / "config.yaml").read_text())
             shape = ("rank", "alpha", "use_rslora", "target_modules")  # what the saved adapters compute
@@ -360,6 +411,8 @@ def run_diffusion(
                     )
         try:
             device = resolve_device(cfg.model.device)
+            if mesh is not None and device.type == "cuda":
+                device = torch.device("cuda", rank)
             reward = build_reward(cfg, device)
             model = build_model(cfg).to(device)
         except (ValueError, ImportError, AttributeError, TypeError, OSError) as err:
@@ -369,7 +422,7 @@ def run_diffusion(
             cfg.model.path, device, sum(p.numel() for p in model.transformer.parameters()) / 1e6, model.latent_shape,
         )  # fmt: skip
         try:
-            trainer = FlowGRPOTrainer(model, cfg.algorithm, reward)
+            trainer = FlowGRPOTrainer(model, cfg.algorithm, reward, mesh=mesh)
         except ValueError as err:  # algorithm.lora.target_modules that match nothing
             raise RunSetupError(" ".join(str(err).split())) from err
         if cfg.algorithm.lora is not None:
@@ -383,34 +436,39 @@ def run_diffusion(
         prompts = _PromptCycle(list(cfg.data.prompts))
         eval_prompts = list(cfg.eval.prompts or cfg.data.prompts)
         checkpointed = _CheckpointedTrainer(trainer, model)
-        if replace_existing and run_dir.is_dir():
-            _remove_run_dir(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        start_log()
         config_dict = cfg.model_dump(mode="json")
-        write_atomic(run_dir / "config.yaml", yaml.safe_dump(config_dict, sort_keys=False))
+        if writer:
+            if replace_existing and run_dir.is_dir():
+                _remove_run_dir(run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            start_log()
+            write_atomic(run_dir / "config.yaml", yaml.safe_dump(config_dict, sort_keys=False))
         checkpoints = run_dir / "checkpoints"
         saved: list[Path] = []
         start_step = 0
         if resume_from is not None:
             state = restore_run_checkpoint(Path(resume_from), backend=checkpointed, data_source=prompts)
             start_step = state.step
-            _drop_metrics_after(run_dir / "metrics.jsonl", start_step)
+            if writer:
+                _drop_metrics_after(run_dir / "metrics.jsonl", start_step)
             saved.append(Path(resume_from))
             logger.info(
                 "resumed from %s at step %d (weights v%d)", resume_from, start_step, trainer.receiver.weight_version
             )
-        console = ConsoleSink(cfg.loop.num_steps, initial=start_step, enabled=cfg.run.progress)
-        jsonl = JsonlSink(run_dir / "metrics.jsonl")
+        console = ConsoleSink(cfg.loop.num_steps, initial=start_step, enabled=cfg.run.progress and writer)
+        jsonl = JsonlSink(run_dir / "metrics.jsonl") if writer else None
         stop = StopRequest()
 
         def log(metrics: dict[str, float], step: int) -> None:
-            jsonl.log(metrics, step)
-            console.log(metrics, step)
+            if jsonl is not None:
+                jsonl.log(metrics, step)
+                console.log(metrics, step)
 
         def evaluate(step: int) -> None:
             rows = [p for p in eval_prompts for _ in range(cfg.eval.images_per_prompt)]
             score, images = trainer.evaluate(rows, seed=cfg.eval.seed)
+            if not writer:
+                return
             grid = image_grid(images, columns=cfg.eval.images_per_prompt)
             scale = max(1, 64 // images.shape[1])  # tiny images enlarged to ~64 px, large ones as they are
             save_png(grid, run_dir / "samples" / f"step_{step}.png", scale=scale, row_labels=eval_prompts,
@@ -418,6 +476,9 @@ def run_diffusion(
             log({"eval/reward": score}, step)
 
         def save(step: int) -> None:
+            if not writer:  # gathers the state with rank 0
+                checkpointed.save(None)
+                return
             with stop.protect():
                 saved.append(
                     save_run_checkpoint(
@@ -432,12 +493,13 @@ def run_diffusion(
                 )
             logger.info("saved checkpoint %s", saved[-1])
 
-        step = start_step
+        step, stopping = start_step, None
         try:
             with stop:
                 if start_step == 0 and cfg.eval.interval:
                     evaluate(0)
-                while step < cfg.loop.num_steps and not stop():
+                stopping = agreed(stop.requested)
+                while step < cfg.loop.num_steps and not stopping:
                     t0 = time.perf_counter()
                     metrics = trainer.step(prompts.take(cfg.algorithm.prompts_per_step))
                     step += 1
@@ -446,24 +508,168 @@ def run_diffusion(
                     last = step == cfg.loop.num_steps
                     if cfg.eval.interval and (step % cfg.eval.interval == 0 or last):
                         evaluate(step)
-                    if last or stop() or (cfg.loop.save_interval and step % cfg.loop.save_interval == 0):
+                    stopping = agreed(stop.requested)
+                    if last or stopping or (cfg.loop.save_interval and step % cfg.loop.save_interval == 0):
                         save(step)
         except RewardFailed as err:  # in a training step or an evaluation
             raise RunInputError(
                 f"reward.{'path' if cfg.reward.path else 'name'} ({cfg.reward.path or cfg.reward.name}): {err}"
             ) from err
         finally:
-            jsonl.close()
             console.close()
-            if (run_dir / "metrics.jsonl").stat().st_size:
+            if jsonl is not None:
+                jsonl.close()
+            if jsonl is not None and (run_dir / "metrics.jsonl").stat().st_size:
                 with contextlib.suppress(Exception):  # a plot must not hide how the run ended
                     plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png", ylim=None)
         if step < cfg.loop.num_steps:
-            logger.info("stopped by %s after step %d of %d", stop.requested, step, cfg.loop.num_steps)
+            logger.info("stopped by %s after step %d of %d", stopping, step, cfg.loop.num_steps)
     return RunResult(
         run_dir=run_dir,
         steps_done=step,
         num_steps=cfg.loop.num_steps,
         checkpoint=saved[-1] if saved else None,
-        stopped_by=stop.requested if step < cfg.loop.num_steps else None,
+        stopped_by=stopping if step < cfg.loop.num_steps else None,
     )
+
+
+def _run_ranks(cfg: DiffusionConfig, run_dir: Path, *, resume_from: Path | None, replace_existing: bool):
+    """``run_diffusion`` in ``run.world_size`` processes (spawned, one per rank, as torchrun would start them) that
+    this one supervises: Ctrl-C / SIGTERM are passed on to them (every rank stops at the same step and rank 0
+    saves); when one fails the others are stopped, and its error is raised here as one process would raise it.
+
+    Raises: as ``run_diffusion``; RunSetupError when there are fewer GPUs than ranks; RunFailed naming a rank that
+    died without a word (killed, out of memory).
+    """
+    import multiprocessing
+    import os
+    import queue as queues
+    import signal
+
+    from miles.recipes.run import RunFailed, RunInputError, RunResult, RunSetupError
+    from miles.rollout.engines.server import free_port
+
+    world = cfg.run.world_size
+    try:
+        device = resolve_device(cfg.model.device)
+    except ValueError as err:
+        raise RunSetupError(str(err)) from None
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise RunSetupError(f"run.world_size {world} needs one GPU per rank; {torch.cuda.device_count()} are visible")
+    if cfg.run.num_threads is None:  # ranks share the cores: each takes its part, not all of them
+        threads = max(1, (os.cpu_count() or 1) // world)
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"num_threads": threads})})
+    context = multiprocessing.get_context("spawn")
+    reports = context.Queue()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    args = (world, address, device.type, cfg.model_dump(mode="json"), str(run_dir),
+            str(resume_from) if resume_from else None, replace_existing, reports)  # fmt: skip
+    ranks = [
+        context.Process(target=_rank_process, args=(rank, *args), name=f"miles-rank{rank}") for rank in range(world)
+    ]
+
+    def forward(signum: int, frame: Any) -> None:  # the ranks decide together; a second signal abandons the step
+        for process in ranks:
+            if process.is_alive() and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    said: dict[int, tuple[str, Any]] = {}
+    try:
+        for process in ranks:
+            process.start()
+        failed_at = None
+        while any(process.is_alive() for process in ranks):
+            with contextlib.suppress(queues.Empty):
+                rank, kind, what = reports.get(timeout=0.2)
+                said[rank] = (kind, what)
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in ranks):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > 5:  # the others wait on it: stop them
+                break
+        while True:
+            try:
+                rank, kind, what = reports.get(timeout=0.5)
+                said[rank] = (kind, what)
+            except queues.Empty:
+                break
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.terminate()
+        for process in ranks:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    errors = {rank: report for rank, report in said.items() if report[0] != "ok"}
+    if errors:  # the rank that failed first-hand, not one that learned it from another
+        rank, (kind, message) = min(errors.items(), key=lambda item: ("another rank" in item[1][1], item[0]))
+        raised = {"RunSetupError": RunSetupError, "RunInputError": RunInputError, "RunFailed": RunFailed}
+        if kind == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        if kind in raised:
+            raise raised[kind](message)
+        raise RunFailed(f"trainer rank {rank} failed: {kind}: {message}")
+    silent = [(rank, p.exitcode) for rank, p in enumerate(ranks) if p.exitcode != 0]
+    if silent or 0 not in said:
+        rank, code = silent[0] if silent else (0, ranks[0].exitcode)
+        raise RunFailed(f"trainer rank {rank} died (exit code {code}: killed, or out of memory?)")
+    result = said[0][1]
+    return RunResult(
+        run_dir=Path(result["run_dir"]),
+        steps_done=result["steps_done"],
+        num_steps=result["num_steps"],
+        checkpoint=Path(result["checkpoint"]) if result["checkpoint"] else None,
+        stopped_by=result["stopped_by"],
+    )
+
+
+def _rank_process(
+    rank: int,
+    world: int,
+    address: str,
+    device_type: str,
+    config: dict[str, Any],
+    run_dir: str,
+    resume_from: str | None,
+    replace_existing: bool,
+    reports: Any,
+) -> None:
+    """One rank of ``_run_ranks``: joins the process group, trains (``_train``) and reports ("ok", the result) or
+    (the exception's type name, its message) on ``reports``; exit status 1 after a failure."""
+    import datetime
+    import sys
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("miles").setLevel(logging.INFO if rank == 0 else logging.ERROR)  # rank 0 speaks for all
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    try:
+        torch.distributed.init_process_group(
+            backend, init_method=address, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30)
+        )
+        mesh = init_device_mesh(device_type, (world,))
+        result = _train(
+            DiffusionConfig.model_validate(config), Path(run_dir),
+            resume_from=Path(resume_from) if resume_from else None, replace_existing=replace_existing, mesh=mesh,
+        )  # fmt: skip
+    except BaseException as err:  # reported to the supervisor, which raises it as one process would
+        reports.put((rank, type(err).__name__, " ".join(str(err).split())))
+        reports.close()
+        reports.join_thread()
+        sys.exit(1)
+    if rank == 0:
+        fields = dataclasses.asdict(result)
+        reports.put((rank, "ok", {k: str(v) if isinstance(v, Path) else v for k, v in fields.items()}))
+    else:
+        reports.put((rank, "ok", None))
+    reports.close()
+    reports.join_thread()
+    torch.distributed.destroy_process_group()
