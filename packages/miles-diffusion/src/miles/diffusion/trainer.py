@@ -161,6 +161,7 @@ class FlowGRPOTrainer:
         self.model, self.config, self.reward = model, config, reward
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
         self.rank, self.world_size = (mesh.get_local_rank(), mesh.size()) if self.mesh is not None else (0, 1)
+        self._wire = _wire_device(self.mesh)
         try:
             self.rows = rank_rows(config.batch_size, config.updates_per_rollout, self.rank, self.world_size)
         except ValueError:
@@ -298,7 +299,7 @@ class FlowGRPOTrainer:
             if failure is not None:
                 raise failure
             return rewards
-        failed = torch.tensor([float(failure is not None)])
+        failed = torch.tensor([float(failure is not None)], device=self._wire)
         torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=self.mesh.get_group())
         if failure is not None:
             raise failure
@@ -310,11 +311,12 @@ class FlowGRPOTrainer:
         """Every rank's ``values`` [b] (its rows, ``_rows``) as one [batch] tensor in batch order."""
         if self.mesh is None:
             return values
-        parts = [torch.empty_like(values) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, values.contiguous(), group=self.mesh.get_group())
+        mine = values.to(self._wire).contiguous()
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, mine, group=self.mesh.get_group())
         out = torch.empty(batch, dtype=values.dtype)
         for rank, part in enumerate(parts):
-            out[rank_rows(batch, self.config.updates_per_rollout, rank, self.world_size)] = part
+            out[rank_rows(batch, self.config.updates_per_rollout, rank, self.world_size)] = part.cpu()
         return out
 
     def _reduce(self, values: dict[str, float], *, op: str) -> dict[str, float]:
@@ -322,12 +324,12 @@ class FlowGRPOTrainer:
         if self.mesh is None or not values:
             return values
         keys = sorted(values)
-        packed = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        packed = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self._wire)
         reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
         torch.distributed.all_reduce(packed, op=reduce_op, group=self.mesh.get_group())
         if op == "mean":
             packed /= self.world_size
-        return dict(zip(keys, packed.tolist()))
+        return dict(zip(keys, packed.cpu().tolist()))
 
     def score(self, prompts: Sequence[str], images: np.ndarray) -> Tensor:
         """The reward of each image, checked: [B] float32.
@@ -637,3 +639,11 @@ def _load_whole(module: torch.nn.Module, whole: dict[str, Tensor]) -> None:
     held = module.state_dict()
     for name, tensor in whole.items():
         held[name].copy_(_shard_like(tensor, held[name]))
+
+
+def _wire_device(mesh: DeviceMesh | None) -> torch.device:
+    """Where the ranks' small collectives (rewards, metrics, flags) put their tensors: NCCL takes only this
+    rank's GPU, gloo the CPU."""
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -376,7 +376,8 @@ def _train(
     def agreed(requested: str | None) -> str | None:  # a stop every rank takes at the same step, and its signal
         if mesh is None:
             return requested
-        value = torch.tensor([float(signals.index(requested))])
+        wire = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else None  # NCCL
+        value = torch.tensor([float(signals.index(requested))], device=wire)
         torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
         return signals[int(value.item())]
 
