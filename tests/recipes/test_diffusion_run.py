@@ -391,7 +391,17 @@ def _same_weights(a, b):
         torch.testing.assert_close(b[name], tensor, atol=2e-5, rtol=1e-4, msg=name)
 
 
+@pytest.fixture
+def keep_threads():
+    """Restores torch's thread count: ``--run.num-threads`` sets it for the whole process (a later test in it
+    would train with 1 thread, and an RL run's result depends on the summation order)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.integration
+@pytest.mark.usefixtures("keep_threads")
 def test_two_ranks_train_as_one_process_stop_together_and_resume_in_one(tmp_path, monkeypatch):
     """Two ranks, stopped by a SIGINT that only rank 1 gets (in step 2), then resumed in one process, equal a
     straight one-process run: the ranks agree on the step to stop at, rank 0 saves, and a checkpoint holds whole
