@@ -173,8 +173,10 @@ def model_name(family: str) -> str:
     return f"tiny-{family}"
 
 
-def tiny_config(family: str, tokenizer: Any) -> Any:
-    """The HF config of ``family``'s twin sized for ``tokenizer`` (vocabulary, special ids).
+def tiny_config(family: str, tokenizer: Any, *, text_overrides: dict[str, Any] | None = None) -> Any:
+    """The HF config of ``family``'s twin sized for ``tokenizer`` (vocabulary, special ids); ``text_overrides``
+    replace fields of the (text model's) config, e.g. a wider ``head_dim`` for an engine whose attention kernels
+    need one (vLLM's CPU attention takes head_dim 32, 64, 80, ...; the twins' is 8). The registered twins use none.
 
     Raises: ValueError naming the known families.
     """
@@ -187,6 +189,7 @@ def tiny_config(family: str, tokenizer: Any) -> Any:
         ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
         text = dict(**_COMMON, **spec.config, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        text.update(text_overrides or {})
         return AutoConfig.for_model(
             spec.model_type,
             text_config=text,
@@ -197,20 +200,15 @@ def tiny_config(family: str, tokenizer: Any) -> Any:
             vision_end_token_id=ids["<|vision_end|>"],
             tie_word_embeddings=True,
         )
-    return AutoConfig.for_model(
-        spec.model_type,
-        **_COMMON,
-        **spec.config,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    fields = dict(**_COMMON, **spec.config, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return AutoConfig.for_model(spec.model_type, **{**fields, **(text_overrides or {})})
 
 
-def build_tiny(family: str, path: Path) -> Path:
+def build_tiny(family: str, path: Path, *, text_overrides: dict[str, Any] | None = None) -> Path:
     """Write ``family``'s twin (fp32 safetensors, config, SmolLM2's tokenizer and chat template; for the VLM twin
-    the vision tokens, its chat template and image processor too) into ``path``."""
+    the vision tokens, its chat template and image processor too) into ``path``; ``text_overrides``: see
+    ``tiny_config`` (a variant for a test, not a registered twin)."""
     import torch
     from miles.core.multimodal import auto_model_class
     from transformers import AutoTokenizer
@@ -221,7 +219,7 @@ def build_tiny(family: str, path: Path) -> Path:
         tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
         tokenizer.chat_template = VLM_CHAT_TEMPLATE
     torch.manual_seed(SEED)
-    config = tiny_config(family, tokenizer)
+    config = tiny_config(family, tokenizer, text_overrides=text_overrides)
     model = auto_model_class(config).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
