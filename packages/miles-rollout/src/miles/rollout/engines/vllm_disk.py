@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from miles.rollout.engines.vllm import StreamingDigests, VLLMEngine, verify_servers
+from miles.rollout.engines.vllm import StreamingDigests, VLLMEngine, verify_servers, vllm_name_prefixes
 from miles.sync import WeightUpdateError, next_version
 from torch import Tensor
 
@@ -91,7 +91,7 @@ class VLLMDiskWeightSink:
         engine = self.engine
         version = next_version(version, engine.weight_version, holder="the engine")
         start = time.perf_counter()
-        digests = StreamingDigests(self.dtype)
+        digests = StreamingDigests(self.dtype, vllm_name_prefixes(engine.model))
         named = digests.watch(named_tensors) if self.verify else named_tensors  # streamed, never listed
         path = self.writer.write(named, version=version)
         body = {
