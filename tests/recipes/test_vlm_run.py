@@ -64,8 +64,9 @@ def test_the_vlm_recipe_runs_two_grpo_steps_with_images_and_engine_and_trainer_a
     ("override", "message"),
     [
         (
-            ["--engine.type", "vllm"],
-            "image prompts do not go to vLLM servers yet; set --engine.type embedded or sglang",
+            ["--engine.type", "vllm", "--engine.weight-transfer", "disk"],
+            "image prompts go to vLLM servers for Qwen3-VL with the weight group's full-weight updates only, not "
+            "with engine.weight_transfer disk yet; set --engine.type embedded or sglang",
         ),
         (["--train.backend", "megatron"], "model type 'qwen3_vl' has no Megatron conversion yet"),
         (  # was found only when every sample of step 1 failed to render
@@ -146,7 +147,7 @@ MATH = ["--reward.type", "math"]
 )
 def test_a_vision_language_checkpoint_takes_vllm_unless_its_prompts_may_carry_images(overrides, refused):
     """Qwen3.5 / Qwen3.6 checkpoints are vision-language models; their text recipes run on any server engine. Image
-    prompts go to the embedded engine and SGLang-API servers (as image_data), not to vLLM servers yet."""
+    prompts go to the embedded engine and SGLang-API servers (as image_data); to vLLM servers only for Qwen3-VL."""
     from miles.recipes.models.tiny import ensure_tiny
     from miles.recipes.run import RunSetupError, _check_vision_model
 
@@ -155,7 +156,7 @@ def test_a_vision_language_checkpoint_takes_vllm_unless_its_prompts_may_carry_im
                         ensure_tiny("qwen3.5-moe"))  # fmt: skip
     cfg = resolve_config("qwen3_5_35b_a3b_grpo_gsm8k", ["--engine.type", "vllm", *overrides], tiny=True)
     if refused:
-        with pytest.raises(RunSetupError, match="image prompts do not go to vLLM servers yet"):
+        with pytest.raises(RunSetupError, match=r"\(qwen3_5_moe\): .* not with a model type other than qwen3_vl yet"):
             _check_vision_model(cfg, ensure_tiny("qwen3.5-moe"))
     else:
         _check_vision_model(cfg, ensure_tiny("qwen3.5-moe"))

@@ -1091,15 +1091,16 @@ def _may_feed_images(cfg: MilesConfig) -> bool:
 
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
     """Refuse, in one line, what vision-language policies do not run with yet: vLLM servers when the prompts may
-    carry images (SGLang-API servers take them as image_data; text-only runs of a vision-language checkpoint, as
-    Qwen3.5's, use any engine), SFT rollouts and agent plugins (their renderers do not carry images; multi-turn
-    tool calling does), a critic (no token-classification head for VLMs), and a text-only reference or teacher.
-    The Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json files
-    alone, before anything starts."""
+    carry images, except Qwen3-VL with full-weight updates through the weight group (SGLang-API servers take them as
+    image_data; text-only runs of a vision-language checkpoint, as Qwen3.5's, use any engine), SFT rollouts and
+    agent plugins (their renderers do not carry images; multi-turn tool calling does), a critic (no
+    token-classification head for VLMs), and a text-only reference or teacher. The Megatron backend refuses the
+    architecture itself (``_check_megatron_models``). From config.json files alone, before anything starts."""
     from miles.core.multimodal import is_multimodal_config
     from transformers import AutoConfig
 
-    if not is_multimodal_config(AutoConfig.from_pretrained(model_path)):
+    config = AutoConfig.from_pretrained(model_path)
+    if not is_multimodal_config(config):
         if _feeds_images(cfg):
             raise RunSetupError(
                 f"models.policy.path ({model_path}) is a text-only model but the prompts carry images (data.image_key "
@@ -1113,12 +1114,20 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
         return
     where = f"models.policy.path ({model_path}) is a vision-language model"
     images = _may_feed_images(cfg)
-    if cfg.engine.type == "vllm":
-        if images:
-            raise RunSetupError(
-                f"{where}: image prompts do not go to vLLM servers yet; set --engine.type embedded or sglang (a "
-                "text-only run, without data.image_key or a custom data source, may use vLLM)"
-            )
+    if cfg.engine.type == "vllm" and images:
+        untested = {
+            "a model type other than qwen3_vl": config.model_type != "qwen3_vl",
+            "engine.weight_transfer disk": cfg.engine.weight_transfer == "disk",
+            "LoRA adapter sync (train.lora.sync adapter)": cfg.train.lora is not None
+            and cfg.train.lora.sync == "adapter",
+        }
+        for what, refused in untested.items():
+            if refused:
+                raise RunSetupError(
+                    f"{where} ({config.model_type}): image prompts go to vLLM servers for Qwen3-VL with the weight "
+                    f"group's full-weight updates only, not with {what} yet; set --engine.type embedded or sglang "
+                    "(a text-only run, without data.image_key or a custom data source, may use vLLM)"
+                )
     if not images and cfg.engine.type != "embedded":
         logger.info("%s, trained on text prompts only (engine %s)", where, cfg.engine.type)
     if cfg.rollout.mode not in ("generate", "multi_turn"):
