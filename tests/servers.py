@@ -28,6 +28,13 @@ def vllm_python() -> str:
     pytest.skip(message)
 
 
+# The Qwen3-VL twin's text model with head_dim 32 (``build_tiny("qwen3-vl", path, text_overrides=...)``): vLLM's CPU
+# attention has no kernel for the twin's 8; mrope_section sums to head_dim / 2. Everything else is the twin's.
+VLM_HEAD_DIM_32 = dict(
+    head_dim=32, rope_parameters=dict(rope_type="default", mrope_section=[6, 5, 5], mrope_interleaved=True)
+)
+
+
 # Two small steps of the default recipe (2 prompts x 4 samples, 16 tokens, 2 x 2 eval): the end-to-end runs' size.
 SMALL_RUN = [
     "--loop.num-steps", "2",

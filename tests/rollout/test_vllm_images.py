@@ -15,7 +15,7 @@ from miles.core.config import SamplingConfig
 from miles.core.protocols import GenerateRequest, RequestFailed
 from miles.rollout.engines.vllm import NO_TORCHVISION_SHIM, StreamingDigests, VLLMEngine, vllm_command, vllm_env
 from miles.rollout.engines.vllm_images import GENERATE_PATH, collapse_image_placeholders
-from servers import vllm_python
+from servers import VLM_HEAD_DIM_32, vllm_python
 
 PAD = 9  # the image placeholder token of these fakes
 SAMPLING = SamplingConfig(max_new_tokens=3, temperature=0.8, top_p=1.0, top_k=0)
@@ -159,11 +159,6 @@ def test_only_vision_servers_get_the_generate_endpoint_and_no_videos_and_the_shi
 
 
 # -- a real vLLM server ------------------------------------------------------------------------------------------
-# The Qwen3-VL twin with text head_dim 32 (vLLM's CPU attention has no kernel for the twin's 8); mrope_section sums
-# to head_dim / 2. Everything else is the registered twin's.
-HEAD_DIM_32 = dict(
-    head_dim=32, rope_parameters=dict(rope_type="default", mrope_section=[6, 5, 5], mrope_interleaved=True)
-)
 REAL_SAMPLING = SamplingConfig(max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0)
 
 
@@ -171,7 +166,7 @@ REAL_SAMPLING = SamplingConfig(max_new_tokens=16, temperature=1.0, top_p=1.0, to
 def vlm_hd32(tmp_path_factory):
     from miles.recipes.models.tiny import build_tiny
 
-    return build_tiny("qwen3-vl", tmp_path_factory.mktemp("tiny_vlm_hd32"), text_overrides=HEAD_DIM_32)
+    return build_tiny("qwen3-vl", tmp_path_factory.mktemp("tiny_vlm_hd32"), text_overrides=VLM_HEAD_DIM_32)
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +267,21 @@ def test_vllm_samples_image_prompts_with_the_trainers_log_probs_before_and_after
     gap = _max_gap(reference, requests, outputs)
     print(f"after an update of every weight: {gap:.2e}")
     assert gap < 1e-4  # measured 9.5e-7; 1.1e-2 when the encoder cache kept the old vision tower's embeddings
+
+
+def test_the_no_torchvision_shim_refuses_a_transformers_of_another_layout_when_vllm_imports_it(tmp_path):
+    """A transformers without the PIL Qwen2-VL processor / processing_utils' lazy mapping: the import vLLM makes
+    fails naming the shim and the fix, instead of running with another image processor."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "transformers"
+    (fake / "models" / "qwen2_vl").mkdir(parents=True)
+    for init in (fake / "__init__.py", fake / "models" / "__init__.py", fake / "models" / "qwen2_vl" / "__init__.py"):
+        init.write_text("")
+    (fake / "processing_utils.py").write_text("class ProcessorMixin:\n    pass\n")
+    env = {"PYTHONPATH": f"{NO_TORCHVISION_SHIM}:{tmp_path}", "PATH": "/usr/bin:/bin"}
+    for module in ("transformers.models.qwen2_vl.image_processing_qwen2_vl", "transformers.processing_utils"):
+        result = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
+        assert result.returncode != 0, module
+        assert "vLLM no-torchvision shim" in result.stderr and "install torchvision instead" in result.stderr, module
