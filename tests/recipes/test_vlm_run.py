@@ -173,6 +173,19 @@ def test_image_prompts_go_to_a_miles_serve_server_as_input_ids_and_image_data(tm
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows  # 4.7e-7 measured
 
 
+@pytest.mark.vllm
+def test_image_prompts_go_to_a_vllm_server_and_engine_and_trainer_agree_after_each_push(tmp_path, monkeypatch):
+    """`miles train --engine.type vllm` on the Qwen3-VL twin with head_dim 32 (vLLM's CPU attention needs it): image
+    prompts through vLLM's generate endpoint, every weight pushed through the weight group after each step."""
+    from miles.recipes.models.tiny import build_tiny
+    from servers import VLM_HEAD_DIM_32, vllm_python
+
+    vllm_python()  # skips without vLLM
+    model = build_tiny("qwen3-vl", tmp_path / "tiny_vlm_hd32", text_overrides=VLM_HEAD_DIM_32)
+    rows = _two_steps(tmp_path, monkeypatch, "vlm_vllm", "--engine.type", "vllm", "--models.policy.path", str(model))
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows  # 4.6e-7, 3.1e-7 measured
+
+
 @pytest.mark.slow
 def test_the_qwen3_vl_gpu_recipe_validates_and_its_tiny_twin_trains_with_images(tmp_path, monkeypatch):
     gpu = resolve_config("qwen3_vl_2b_grpo_visual", [])
