@@ -648,6 +648,8 @@ def _rank_process(
     from torch.distributed.device_mesh import init_device_mesh
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # the console shows INFO; per-step DEBUG lines go to train.log
+        handler.setLevel(logging.INFO)
     logging.getLogger("miles").setLevel(logging.INFO if rank == 0 else logging.ERROR)  # rank 0 speaks for all
     if device_type == "cuda":
         torch.cuda.set_device(rank)
