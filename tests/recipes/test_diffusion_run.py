@@ -95,12 +95,13 @@ def test_ctrl_c_finishes_the_step_saves_and_the_run_continues(tmp_path, monkeypa
         "    return [float(i) for i in range(len(images))]\n"
     )
     monkeypatch.chdir(tmp_path)
+    before = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest runs in the background
     code = train(tmp_path, "c", "--loop.num-steps", "5", "--reward.path", f"{plugin}:reward", "--eval.interval", "0")
     assert code == 130
     run = tmp_path / "c"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"  # the step in progress finished, saved
     assert [r["step"] for r in rows(run)] == [1, 2]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the run put back the handler it found
     assert main(["train", "--run.dir", str(tmp_path), "--run.name", "c", "--resume"]) == 0
     assert [r["step"] for r in rows(run)] == [1, 2, 3, 4, 5]
     assert os.path.isdir(run / "checkpoints" / "step_5")
@@ -416,6 +417,7 @@ def test_two_ranks_train_as_one_process_stop_together_and_resume_in_one(tmp_path
         "    return IMAGE_REWARDS['jpeg_compressibility'](prompts, images)\n"
     )
     monkeypatch.chdir(tmp_path)
+    before = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest runs in the background
     steps = ("--reward.path", f"{plugin}:reward", "--algorithm.updates-per-rollout", "2", "--eval.interval", "2",
              "--loop.save-interval", "1")  # fmt: skip
     assert train(tmp_path, "two", "--loop.num-steps", "3", *steps, *TWO) == 130
@@ -423,7 +425,7 @@ def test_two_ranks_train_as_one_process_stop_together_and_resume_in_one(tmp_path
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
     assert [r["step"] for r in rows(run)] == [0, 1, 2, 2]  # step 0's eval, steps 1-2, step 2's eval
     assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_0.png", "step_2.png"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the run put back the handler it found
     more = ("--resume", "--run.progress", "false", "--run.world-size", "1")
     assert main(["train", "--run.dir", str(tmp_path), "--run.name", "two", *more]) == 0
     assert train(tmp_path, "one", "--loop.num-steps", "3", *steps, "--run.num-threads", "1") == 0
