@@ -105,6 +105,14 @@ def tiny_sd3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_image_dir(tmp_path_factory) -> Path:
+    """The random Qwen-Image-shaped pipeline ``tiny-qwen-image`` (``miles.recipes.models.tiny_qwen_image``)."""
+    from miles.recipes.models.tiny_qwen_image import ensure_tiny_qwen_image
+
+    return ensure_tiny_qwen_image(tmp_path_factory.mktemp("tiny_qwen_image"))
+
+
+@pytest.fixture(scope="session")
 def tiny_clip_dir(tmp_path_factory) -> Path:
     """A random CLIPModel + CLIPProcessor (byte-level tokenizer, 32 px images) built offline, for PickScore."""
     import torch

@@ -117,7 +117,10 @@ def test_ctrl_c_finishes_the_step_saves_and_the_run_continues(tmp_path, monkeypa
         (["--algorithm.lora.sync", "adapter"], "algorithm.lora.sync"),
         (["--algorithm.train-steps", "9"], r"algorithm.train_steps \(9\) must be at most algorithm.num_steps \(3\)"),
         (["--reward.path", "no_colon"], "reward.path is 'no_colon'; expected module:attr"),
-        (["--model.path", "/nonexistent"], "model.path '/nonexistent' is neither 'tiny-flow', 'tiny-sd3', a diffusers"),
+        (
+            ["--model.path", "/nonexistent"],
+            "model.path '/nonexistent' is neither 'tiny-flow', 'tiny-sd3', 'tiny-qwen-image', a diffusers",
+        ),
         (["--reward.name", "named_colour", "--eval.prompts", "['a dog']"], "eval.prompts: prompt 'a dog' must name"),
         (["--reward.path", "nowhere_module:score"], "reward.path"),
         (["--model.device", "tpu"], "model.device"),

@@ -28,6 +28,7 @@ NESTED_ONLY = {
     "tiny_flow_grpo_compressibility",  # diffusion (tests/recipes/test_diffusion_run.py)
     "tiny_flow_nft_compressibility",
     "sd35_medium_flow_grpo_compressibility",
+    "qwen_image_flow_grpo_compressibility",
     "smollm2_vl_grpo_visual",
 }
 # Changed on purpose since: the OPD recipe named the policy as its teacher (every advantage 0); now its user passes one.

@@ -56,7 +56,8 @@ class FlowGRPOConfig(BaseModel):
         "optimizer step, seeded); None trains on all of them."
     )  # fmt: skip
     noise_level: float = Field(0.7, gt=0, description="Flow-GRPO's SDE noise level a.")
-    shift: float = Field(3.0, gt=0, description="The schedule's shift (SD3: 3.0).")
+    shift: float = Field(3.0, gt=0, description="The schedule's shift (SD3: 3.0; Qwen-Image has its own dynamically "
+                         "shifted schedule and does not use it).")  # fmt: skip
     guidance_scale: float = Field(1.0, ge=1.0, description="Classifier-free guidance (1.0 = off; the empty prompt "
                                   "is the unconditional one).")  # fmt: skip
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")

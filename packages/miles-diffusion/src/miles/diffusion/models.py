@@ -1,9 +1,10 @@
 """What the trainer and the sampler need from a text-to-image flow model: the tiny CPU twin and diffusers' SD3 /
-SD3.5 pipelines.
+SD3.5 and Qwen-Image pipelines.
 
-A ``FlowModel`` bundles the trained flow-matching transformer (SD3's call signature, ``miles.diffusion.sampler``)
+A ``FlowModel`` bundles the trained flow-matching transformer (SD3's or Qwen-Image's, ``miles.diffusion.sampler``)
 with the frozen parts around it: a prompt encoder (prompts -> ``Conditioning``) and a decoder (latents -> images in
-[-1, 1]). Only the transformer is trained and synced, as in Flow-GRPO and DDPO, whose text encoders and VAE stay frozen.
+[-1, 1]), and, for Qwen-Image, its pipeline's sigma schedule. Only the transformer is trained and synced, as in
+Flow-GRPO and DDPO, whose text encoders and VAE stay frozen.
 
 ``save_flow_model`` writes the transformer (diffusers' layout, ``transformer/``) and ``miles_flow.json``, what
 rebuilds the frozen parts (the tiny encoder's seed, or the pipeline directory the run started from);
@@ -89,9 +90,11 @@ class FlowModel:
         encode: prompts -> ``Conditioning`` (frozen, no grad).
         decode: latents [B, C, H, W] -> images [B, 3, H', W'] float in [-1, 1] (frozen, no grad).
         latent_shape: (C, H, W) of one latent.
-        source: what rebuilds ``encode`` / ``decode`` (``miles_flow.json``): {"kind": "tiny", ...} or
-            {"kind": "sd3", "pipeline": DIR, ...}.
+        source: what rebuilds ``encode`` / ``decode`` (``miles_flow.json``): {"kind": "tiny", ...},
+            {"kind": "sd3", "pipeline": DIR, ...} or {"kind": "qwen_image", "pipeline": DIR, ...}.
         frozen: the modules behind ``encode`` / ``decode`` (moved by ``to``).
+        schedule: num_steps -> [num_steps + 1] float32 sigmas from 1 to 0, the model's own schedule (Qwen-Image's
+            dynamic shift for its image size); None: SD3's shifted schedule with the algorithm's ``shift``.
     """
 
     transformer: nn.Module
@@ -100,6 +103,7 @@ class FlowModel:
     latent_shape: tuple[int, int, int]
     source: dict = field(default_factory=dict)
     frozen: list[nn.Module] = field(default_factory=list)
+    schedule: Callable[[int], Tensor] | None = None
 
     def to(self, device: torch.device | str) -> FlowModel:
         """Move the transformer and the frozen parts to ``device`` (in place); returns self."""
@@ -152,18 +156,10 @@ def sd3_flow_model(
     Raises: ValueError when the directory holds no StableDiffusion3Pipeline or ``resolution`` does not divide into
         patches.
     """
-    import json as _json
-
     from diffusers import StableDiffusion3Pipeline
 
     pipeline_dir = Path(pipeline_dir)
-    index_path = pipeline_dir / "model_index.json"
-    index = _json.loads(index_path.read_text()) if index_path.is_file() else {}
-    if index.get("_class_name") != "StableDiffusion3Pipeline":
-        raise ValueError(
-            f"{pipeline_dir} is not a diffusers StableDiffusion3Pipeline directory (model_index.json's _class_name is "
-            f"{index.get('_class_name')!r})"
-        )
+    index = _pipeline_index(pipeline_dir, "StableDiffusion3Pipeline")
     pipe = StableDiffusion3Pipeline.from_pretrained(pipeline_dir, dtype=torch.float32, **_absent_components(index))
     for part in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
         if part is not None:
@@ -195,6 +191,105 @@ def sd3_flow_model(
     return FlowModel(pipe.transformer.float(), encode, decode, latent_shape, source, frozen=frozen)
 
 
+def qwen_image_flow_model(
+    pipeline_dir: Path | str, *, resolution: int | None = None, max_sequence_length: int = 512
+) -> FlowModel:
+    """A diffusers ``QwenImagePipeline`` directory (Qwen-Image) as a ``FlowModel``: its transformer (fp32, the
+    master copy), its Qwen2.5-VL text encoder (``encode_prompt``: the last hidden states after the chat template's
+    system prefix, with their padding mask; no CFG here, the trainer encodes the empty prompt itself), its VAE
+    (latents x std + mean -> ``vae.decode`` of one frame), frozen, and its schedule: ``np.linspace(1, 1/T, T)``
+    shifted by the pipeline scheduler's ``mu`` for this image size (``calculate_shift`` of the packed sequence
+    length), exactly as ``QwenImagePipeline.__call__`` sets its timesteps.
+
+    Args:
+        pipeline_dir: a local pipeline directory (``model_index.json``); nothing is downloaded.
+        resolution: image side in pixels; default the pipeline's (``default_sample_size`` x the VAE's scale factor:
+            1024 for Qwen-Image).
+        max_sequence_length: text tokens per prompt (at most 1024, the pipeline's limit).
+    Raises: ValueError when the directory holds no QwenImagePipeline, ``resolution`` does not divide into 2 x 2
+        latent patches, or ``max_sequence_length`` exceeds 1024.
+    """
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    pipeline_dir = Path(pipeline_dir)
+    index = _pipeline_index(pipeline_dir, "QwenImagePipeline")
+    if not 0 < max_sequence_length <= 1024:
+        raise ValueError(f"max_sequence_length must lie in [1, 1024] (Qwen-Image's limit), got {max_sequence_length}")
+    pipe = QwenImagePipeline.from_pretrained(pipeline_dir, dtype=torch.float32, **_absent_components(index))
+    for part in (pipe.vae, pipe.text_encoder):
+        part.eval().requires_grad_(False)
+    scale = pipe.vae_scale_factor
+    size = resolution if resolution is not None else pipe.default_sample_size * scale
+    if size % (scale * 2):
+        raise ValueError(f"resolution {size} must be a multiple of {scale * 2} (VAE scale x the 2 x 2 patches)")
+    side = size // scale
+    vae_config = pipe.vae.config
+    mean = torch.tensor(vae_config.latents_mean).view(1, vae_config.z_dim, 1, 1, 1)
+    std = torch.tensor(vae_config.latents_std).view(1, vae_config.z_dim, 1, 1, 1)
+    scheduler_config = pipe.scheduler.config
+    mu = calculate_shift(
+        (side // 2) ** 2,
+        scheduler_config.get("base_image_seq_len", 256),
+        scheduler_config.get("max_image_seq_len", 4096),
+        scheduler_config.get("base_shift", 0.5),
+        scheduler_config.get("max_shift", 1.15),
+    )
+
+    @torch.no_grad()
+    def encode(prompts: Sequence[str]) -> Conditioning:
+        embeds, mask = pipe.encode_prompt(list(prompts), max_sequence_length=max_sequence_length)
+        mask = torch.ones(embeds.shape[:2], dtype=torch.bool) if mask is None else mask.bool()
+        return Conditioning(prompt_embeds=embeds.float(), mask=mask.to(embeds.device))
+
+    @torch.no_grad()
+    def decode(latents: Tensor) -> Tensor:
+        vae = pipe.vae
+        frames = latents[:, :, None].to(vae.dtype) * std.to(latents.device) + mean.to(latents.device)
+        return vae.decode(frames, return_dict=False)[0][:, :, 0].float().clamp(-1, 1)
+
+    def schedule(num_steps: int) -> Tensor:
+        if num_steps < 2:
+            raise ValueError(f"num_steps must be >= 2 (the first step starts at sigma 1), got {num_steps}")
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        return scheduler.sigmas.to(torch.float32).clone()
+
+    source = {"kind": "qwen_image", "pipeline": str(pipeline_dir.absolute()), "resolution": size,
+              "max_sequence_length": max_sequence_length}  # fmt: skip
+    latent_shape = (vae_config.z_dim, side, side)
+    return FlowModel(pipe.transformer.float(), encode, decode, latent_shape, source, [pipe.vae, pipe.text_encoder],
+                     schedule)  # fmt: skip
+
+
+def _pipeline_index(pipeline_dir: Path, class_name: str) -> dict:
+    """``model_index.json`` of a diffusers pipeline directory of ``class_name``.
+    Raises: ValueError when the directory holds another pipeline or none."""
+    index_path = pipeline_dir / "model_index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else {}
+    if index.get("_class_name") != class_name:
+        raise ValueError(
+            f"{pipeline_dir} is not a diffusers {class_name} directory (model_index.json's _class_name is "
+            f"{index.get('_class_name')!r})"
+        )
+    return index
+
+
+def pipeline_class(pipeline_dir: Path | str) -> str | None:
+    """The ``_class_name`` of a diffusers pipeline directory's ``model_index.json`` (None without one)."""
+    index_path = Path(pipeline_dir) / "model_index.json"
+    try:
+        return json.loads(index_path.read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+PIPELINES = {"sd3": ("StableDiffusion3Pipeline", sd3_flow_model), "qwen_image": ("QwenImagePipeline",
+             qwen_image_flow_model)}  # fmt: skip
+"""The pipeline families a flow model is built from: source kind -> (diffusers pipeline class, builder)."""
+
+
 FLOW_META = "miles_flow.json"
 
 
@@ -218,7 +313,8 @@ def save_flow_model(model: FlowModel, path: Path) -> None:
 
 def load_flow_model(path: Path) -> FlowModel:
     """Read what ``save_flow_model`` wrote: the trained transformer, the frozen parts rebuilt from the source (the
-    tiny encoder from its seed; an SD3 pipeline's encoders and VAE from its directory, which must still exist).
+    tiny encoder from its seed; an SD3 or Qwen-Image pipeline's encoders and VAE from its directory, which must
+    still exist).
 
     Raises: FileNotFoundError naming the missing file or pipeline directory.
     """
@@ -229,33 +325,35 @@ def load_flow_model(path: Path) -> FlowModel:
     if not meta_path.is_file():
         raise FileNotFoundError(f"{path} is not a flow model directory: {FLOW_META} is missing")
     source = json.loads(meta_path.read_text())
-    transformer = SD3Transformer2DModel.from_pretrained(path / "transformer")
     if source["kind"] == "tiny":
-        return _tiny(transformer, source)
+        return _tiny(SD3Transformer2DModel.from_pretrained(path / "transformer"), source)
     if not Path(source["pipeline"]).is_dir():
         raise FileNotFoundError(
             f"{path}: the pipeline it was trained from, {source['pipeline']}, is gone (its text encoders and VAE "
             "are read from there)"
         )
-    model = sd3_flow_model(
+    build = PIPELINES[source["kind"]][1]
+    model = build(
         source["pipeline"], resolution=source["resolution"], max_sequence_length=source["max_sequence_length"]
     )
-    model.transformer.load_state_dict(transformer.state_dict())
+    trained = type(model.transformer).from_pretrained(path / "transformer")
+    model.transformer.load_state_dict(trained.state_dict())
     return model
 
 
 def export_pipeline(model: FlowModel, out: Path) -> None:
-    """Write an SD3 model as a whole diffusers pipeline directory (its pipeline with the trained transformer), so
-    ``StableDiffusion3Pipeline.from_pretrained(out)`` samples with it.
+    """Write a pipeline's model (SD3, Qwen-Image) as a whole diffusers pipeline directory (its pipeline with the
+    trained transformer), so ``<its pipeline class>.from_pretrained(out)`` samples with it.
 
-    Raises: ValueError for a model that is not an SD3 pipeline's.
+    Raises: ValueError for a model that is not a pipeline's (the tiny twin).
     """
-    from diffusers import StableDiffusion3Pipeline
+    import diffusers
 
-    if model.source.get("kind") != "sd3":
-        raise ValueError("only an SD3 pipeline's model exports as a pipeline")
+    kind = model.source.get("kind")
+    if kind not in PIPELINES:
+        raise ValueError("only an SD3 or Qwen-Image pipeline's model exports as a pipeline")
     index = json.loads((Path(model.source["pipeline"]) / "model_index.json").read_text())
-    pipe = StableDiffusion3Pipeline.from_pretrained(
+    pipe = getattr(diffusers, PIPELINES[kind][0]).from_pretrained(
         model.source["pipeline"], transformer=model.transformer, dtype=torch.float32, **_absent_components(index)
     )
     save_pipeline(pipe, out)

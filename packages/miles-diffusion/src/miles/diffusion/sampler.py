@@ -1,11 +1,19 @@
 """Sampling a flow-matching transformer as a policy: trajectories of latents with each step's log-prob, and their
 recompute with gradients for training.
 
-The model is a diffusers flow-matching transformer with SD3's call signature (``SD3Transformer2DModel``: latents,
-text embeddings, pooled embedding, timestep = 1000 * sigma; it returns the velocity). Times come from diffusers'
-``FlowMatchEulerDiscreteScheduler`` (``shift`` as SD3's), from 1 (noise) down to 0. Every step is a transition of
-``miles.diffusion.sde.sde_step``; classifier-free guidance, when on, mixes the conditional and unconditional
-velocities before the step, so the log-prob is that of the guided policy (as Flow-GRPO samples and trains).
+The model is a diffusers flow-matching transformer of one of two families, told apart by its class:
+
+- SD3 / SD3.5 (``SD3Transformer2DModel``): latents [B, C, H, W], text embeddings, pooled embedding, timestep =
+  1000 * sigma; it returns the velocity. Classifier-free guidance is v_u + g (v_c - v_u), as SD3's pipeline.
+- Qwen-Image (``QwenImageTransformer2DModel``): latents packed into 2 x 2 patches ([B, H/2 * W/2, 4C]), text
+  embeddings with their padding mask, timestep = sigma, the image's patch grid for its RoPE; no pooled embedding.
+  Guidance is its pipeline's "true CFG": v_u + g (v_c - v_u), rescaled per patch to the norm of v_c.
+
+Latents stay [B, C, H, W] here whatever the family (the SDE works elementwise); the Qwen-Image call packs and
+unpacks them. Times come from diffusers' ``FlowMatchEulerDiscreteScheduler`` (``shift`` as SD3's; a model with its
+own schedule, Qwen-Image's dynamic shift, passes ``sigmas``), from 1 (noise) down to 0. Every step is a transition
+of ``miles.diffusion.sde.sde_step``; guidance, when on, mixes the conditional and unconditional velocities before the
+step, so the log-prob is that of the guided policy (as Flow-GRPO samples and trains).
 """
 
 from __future__ import annotations
@@ -31,15 +39,22 @@ class Conditioning:
 
     Attributes:
         prompt_embeds: [B, L, D] float, the text encoder's token embeddings.
-        pooled: [B, P] float, the pooled text embedding.
+        pooled: [B, P] float, the pooled text embedding (SD3); None for a model without one (Qwen-Image).
+        mask: [B, L] bool, True at real tokens, False at padding (Qwen-Image: prompts of a batch differ in length);
+            None: every token is real.
     """
 
     prompt_embeds: Tensor
-    pooled: Tensor
+    pooled: Tensor | None = None
+    mask: Tensor | None = None
 
     def rows(self, index: Tensor | slice) -> Conditioning:
         """The conditioning of some images."""
-        return Conditioning(self.prompt_embeds[index], self.pooled[index])
+        return Conditioning(
+            self.prompt_embeds[index],
+            None if self.pooled is None else self.pooled[index],
+            None if self.mask is None else self.mask[index],
+        )
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,14 @@ def flow_sigmas(num_steps: int, *, shift: float = 3.0) -> Tensor:
     return scheduler.sigmas.to(torch.float32).clone()
 
 
+def _schedule(num_steps: int, shift: float, sigmas: Tensor | None) -> Tensor:
+    if sigmas is None:
+        return flow_sigmas(num_steps, shift=shift)
+    if sigmas.shape != (num_steps + 1,):
+        raise ValueError(f"sigmas holds {tuple(sigmas.shape)} times, {num_steps} steps need {num_steps + 1}")
+    return sigmas.to(torch.float32)
+
+
 def velocity(
     transformer: torch.nn.Module,
     x: Tensor,
@@ -83,11 +106,21 @@ def velocity(
     uncond: Conditioning | None = None,
     guidance_scale: float = 1.0,
 ) -> Tensor:
-    """The (guided) velocity at ``x``: v_c, or v_u + g (v_c - v_u) with ``uncond`` and g = ``guidance_scale``.
+    """The (guided) velocity at ``x``: v_c, or with ``uncond`` and g = ``guidance_scale`` v_u + g (v_c - v_u)
+    (Qwen-Image: that rescaled per 2 x 2 patch to the norm of v_c, as its pipeline's true CFG).
 
     Args: x [B, C, H, W]; sigma a float or [B] time; cond / uncond per image. Returns: [B, C, H, W] float32.
     """
-    timestep = (torch.as_tensor(sigma, dtype=torch.float32, device=x.device) * 1000).expand(x.shape[0])
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
+    if is_qwen_image(transformer):
+        if uncond is None or guidance_scale == 1.0:
+            return _qwen_forward(transformer, x, sigma, cond).float()
+        v_cond = _qwen_forward(transformer, x, sigma, cond).float()  # two calls, as its pipeline: prompts differ
+        v_uncond = _qwen_forward(transformer, x, sigma, uncond).float()  # in length
+        guided = pack_latents(v_uncond + guidance_scale * (v_cond - v_uncond))
+        cond_norm = pack_latents(v_cond).norm(dim=-1, keepdim=True)
+        return unpack_latents(guided * (cond_norm / guided.norm(dim=-1, keepdim=True)), x.shape[-2:])
+    timestep = sigma * 1000
     if uncond is None or guidance_scale == 1.0:
         return _forward(transformer, x, timestep, cond).float()
     both = _forward(transformer, torch.cat([x, x]), torch.cat([timestep, timestep]),
@@ -95,6 +128,42 @@ def velocity(
                                  torch.cat([uncond.pooled, cond.pooled]))).float()  # fmt: skip
     v_uncond, v_cond = both.chunk(2)
     return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
+def is_qwen_image(transformer: torch.nn.Module) -> bool:
+    """Whether ``transformer`` is a Qwen-Image one (``QwenImageTransformer2DModel``, also once FSDP2 or peft wrapped
+    it in place), by its class name: no diffusers import."""
+    return any(cls.__name__ == "QwenImageTransformer2DModel" for cls in type(transformer).__mro__)
+
+
+def pack_latents(x: Tensor) -> Tensor:
+    """[B, C, H, W] -> [B, H/2 * W/2, 4C]: 2 x 2 patches in row-major order, each (c, dy, dx) flattened, as
+    ``QwenImagePipeline._pack_latents``. Raises: RuntimeError for odd H or W."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(x: Tensor, size: Sequence[int]) -> Tensor:
+    """The inverse of ``pack_latents``: [B, H/2 * W/2, 4C] -> [B, C, H, W] with (H, W) = ``size``."""
+    b, _, d = x.shape
+    h, w = size
+    return x.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
+
+
+def _qwen_forward(transformer: torch.nn.Module, x: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
+    h, w = x.shape[-2:]
+    mask = cond.mask
+    if mask is not None and bool(mask.all()):
+        mask = None  # as its pipeline: no mask when every token is real
+    out = transformer(
+        hidden_states=pack_latents(x.to(cond.prompt_embeds.dtype)),
+        encoder_hidden_states=cond.prompt_embeds,
+        encoder_hidden_states_mask=mask,
+        timestep=sigma.to(cond.prompt_embeds.dtype),
+        img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
+        return_dict=False,
+    )[0]
+    return unpack_latents(out, (h, w))
 
 
 def _noise_rows(
@@ -132,21 +201,25 @@ def sample(
     guidance_scale: float = 1.0,
     generator: torch.Generator | None = None,
     rows: tuple[int, Tensor] | None = None,
+    sigmas: Tensor | None = None,
 ) -> Trajectories:
     """Sample one trajectory per row of ``cond`` with the SDE (every step stochastic, with its log-prob).
 
     Args:
-        transformer: the flow-matching transformer (SD3 signature).
+        transformer: the flow-matching transformer (SD3 or Qwen-Image, module docstring).
         cond: B rows of conditioning; uncond / guidance_scale: classifier-free guidance (off at 1.0).
         latent_shape: (C, H, W) of one latent.
         num_steps: T denoising steps; noise_level: Flow-GRPO's a (> 0); shift: the schedule's shift.
         generator: draws the initial noise and every step's noise.
         rows: ``(total, index)``: ``cond`` holds rows ``index`` (int64 [B]) of a batch of ``total``, and each gets the
             noise that row gets when the whole batch is sampled at once (ranks sampling their parts of a batch).
+        sigmas: [T + 1] times from 1 down to 0, the model's own schedule (Qwen-Image's dynamic shift); None:
+            ``flow_sigmas(num_steps, shift=shift)``.
     Returns: ``Trajectories`` on the transformer's device.
+    Raises: ValueError when ``sigmas`` does not hold T + 1 times.
     """
     device = cond.prompt_embeds.device
-    sigmas = flow_sigmas(num_steps, shift=shift).to(device)
+    sigmas = _schedule(num_steps, shift, sigmas).to(device)
     batch = cond.prompt_embeds.shape[0]
     x = _noise_rows((batch, *latent_shape), generator, device, rows)
     latents, log_probs = [x], []
@@ -172,13 +245,14 @@ def sample_ode(
     guidance_scale: float = 1.0,
     generator: torch.Generator | None = None,
     rows: tuple[int, Tensor] | None = None,
+    sigmas: Tensor | None = None,
 ) -> Tensor:
     """Sample with the deterministic flow ODE (Euler, ``ode_step``): the evaluation sampler, as Flow-GRPO evaluates.
 
     Args: as ``sample``. Returns: the final latents [B, C, H, W] float32.
     """
     device = cond.prompt_embeds.device
-    sigmas = flow_sigmas(num_steps, shift=shift).to(device)
+    sigmas = _schedule(num_steps, shift, sigmas).to(device)
     x = _noise_rows((cond.prompt_embeds.shape[0], *latent_shape), generator, device, rows)
     for i in range(num_steps):
         v = velocity(transformer, x, sigmas[i], cond, uncond=uncond, guidance_scale=guidance_scale)

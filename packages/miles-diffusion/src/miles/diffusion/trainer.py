@@ -37,6 +37,7 @@ import copy
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,15 @@ from miles.diffusion.flow_grpo import flow_grpo_loss, gaussian_kl
 from miles.diffusion.models import FlowModel
 from miles.diffusion.nft import diffusion_nft_loss, forward_noised, old_policy_decay, optimality
 from miles.diffusion.rewards import to_uint8
-from miles.diffusion.sampler import Conditioning, Trajectories, sample, sample_ode, step_transition, velocity
+from miles.diffusion.sampler import (
+    Conditioning,
+    Trajectories,
+    is_qwen_image,
+    sample,
+    sample_ode,
+    step_transition,
+    velocity,
+)
 from miles.sync import InProcessTransport, WeightReceiver, WeightSender
 from miles.train.fsdp2.lora import adapter_dropout, adapters_disabled, apply_lora, full_tensor, merged_weights
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
@@ -115,18 +124,22 @@ def shard_transformer(transformer: torch.nn.Module, mesh: DeviceMesh) -> None:
     """FSDP2 (``fully_shard``) on each of the transformer's blocks, then on the rest (the root), in place: each
     block's parameters are all-gathered just for its forward and backward.
 
-    Raises: ValueError for a transformer without ``transformer_blocks`` (the SD3 family's).
+    Raises: ValueError for a transformer without ``transformer_blocks`` (SD3's and Qwen-Image's have them).
     """
     from torch.distributed.fsdp import fully_shard
 
     blocks = getattr(transformer, "transformer_blocks", None)
     if blocks is None:
         raise ValueError(
-            f"{type(transformer).__name__} has no transformer_blocks: several ranks shard SD3-family transformers"
+            f"{type(transformer).__name__} has no transformer_blocks: several ranks shard SD3 / Qwen-Image transformers"
         )
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(transformer, mesh=mesh)
+    if is_qwen_image(transformer):  # its output is a Linear's 3-D view; the sampler only unpacks it out of place
+        warnings.filterwarnings(
+            "ignore", message=r"FSDP2-wrapped module \(FSDPQwenImageTransformer2DModel\) returned a view"
+        )
 
 
 class FlowGRPOTrainer:
@@ -244,6 +257,10 @@ class FlowGRPOTrainer:
         finally:
             self._load_rollout(list(held.items()))
 
+    def _sigmas(self) -> Tensor | None:
+        """The model's own schedule for ``num_steps`` (Qwen-Image); None: the sampler's SD3 schedule with ``shift``."""
+        return self.model.schedule(self.config.num_steps) if self.model.schedule is not None else None
+
     def _conditions(self, prompts: Sequence[str]) -> tuple[Conditioning, Conditioning | None]:
         cond = self.model.encode(prompts)
         uncond = self.model.encode([""] * len(prompts)) if self.config.guidance_scale != 1.0 else None
@@ -266,7 +283,7 @@ class FlowGRPOTrainer:
         trajectories = sample(
             self.rollout_transformer, cond, latent_shape=self.model.latent_shape, num_steps=cfg.num_steps,
             noise_level=cfg.noise_level, shift=cfg.shift, uncond=uncond, guidance_scale=cfg.guidance_scale,
-            generator=generator, rows=(len(everyone), rows) if self.mesh is not None else None,
+            generator=generator, rows=(len(everyone), rows) if self.mesh is not None else None, sigmas=self._sigmas(),
         )  # fmt: skip
         with torch.no_grad():
             images = to_uint8(self.model.decode(trajectories.latents[:, -1]))
@@ -536,6 +553,7 @@ class FlowGRPOTrainer:
                 self.rollout_transformer, cond, latent_shape=self.model.latent_shape, num_steps=self.config.num_steps,
                 shift=self.config.shift, uncond=uncond, guidance_scale=self.config.guidance_scale,
                 generator=torch.Generator().manual_seed(seed), rows=(len(prompts), index) if self.mesh else None,
+                sigmas=self._sigmas(),
             )  # fmt: skip
             images = to_uint8(self.model.decode(latents))
         rewards = self._score_everywhere(mine, images) if mine or self.mesh else rewards

@@ -34,7 +34,7 @@ import torch
 import yaml
 from miles.core.protocols import DataSource, TrainBackend
 from miles.core.rng import capture_rng_state, restore_rng_state
-from miles.diffusion.models import FLOW_META
+from miles.diffusion.models import FLOW_META, PIPELINES
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +220,9 @@ def restore_run_checkpoint(
 # -- export ---------------------------------------------------------------------------------------------
 def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
     """Write the checkpoint's model as a plain HF directory (config, safetensors, tokenizer) at ``out``; a diffusion
-    run's tiny flow model (``miles_flow.json`` + ``transformer/``, diffusers' layout) is copied as it is, an SD3
-    pipeline's is written as the whole pipeline with the trained transformer (``StableDiffusion3Pipeline``).
+    run's tiny flow model (``miles_flow.json`` + ``transformer/``, diffusers' layout) is copied as it is, an SD3 or
+    Qwen-Image pipeline's is written as the whole pipeline with the trained transformer (``StableDiffusion3Pipeline``,
+    ``QwenImagePipeline``).
 
     The copy goes to a temporary sibling and is renamed into place, so ``out`` is complete or absent.
 
@@ -244,7 +245,7 @@ def export_hf_model(checkpoint_dir: Path, out: Path) -> Path:
     if (src / FLOW_META).is_file() or _recorded_kind(Path(checkpoint_dir)) == "diffusion":  # a flow model
         weights = src / "transformer" / "diffusion_pytorch_model.safetensors"
         missing = [f for f in (FLOW_META, "transformer/diffusion_pytorch_model.safetensors") if not (src / f).is_file()]
-        if not missing and json.loads((src / FLOW_META).read_text()).get("kind") == "sd3":
+        if not missing and json.loads((src / FLOW_META).read_text()).get("kind") in PIPELINES:
             return _export_pipeline(src, out)
     else:
         weights = src / "model.safetensors"
@@ -282,7 +283,8 @@ def _recorded_kind(checkpoint_dir: Path) -> str | None:
 
 
 def _export_pipeline(src: Path, out: Path) -> Path:
-    """A diffusion run's SD3 model as a whole diffusers pipeline at ``out`` (temporary sibling, then renamed)."""
+    """A diffusion run's SD3 / Qwen-Image model as a whole diffusers pipeline at ``out`` (temporary sibling, then
+    renamed)."""
     from miles.diffusion.models import export_pipeline, load_flow_model
 
     if out.exists():

@@ -10,8 +10,8 @@ Checkpoints are published whole or not at all (``miles.recipes.checkpoint``); Ct
 stops, and ``miles train --run.name NAME --resume`` continues exactly (the rollout noise depends only on the seed and
 the step). ``run.world_size`` > 1 trains in that many spawned processes (FSDP2 over the transformer, rank 0
 writing the run directory; ``_run_ranks``). Models: the tiny twin (``tiny-flow``), diffusers
-StableDiffusion3Pipeline directories (SD3, SD3.5; the random ``tiny-sd3`` runs that path here), or a flow model a
-run saved.
+StableDiffusion3Pipeline directories (SD3, SD3.5; the random ``tiny-sd3`` runs that path here), QwenImagePipeline
+directories (Qwen-Image; the random ``tiny-qwen-image``), or a flow model a run saved.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ import yaml
 from miles.diffusion.config import FlowGRPOConfig
 from miles.diffusion.models import (
     FLOW_META,
+    PIPELINES,
     FlowModel,
     load_flow_model,
+    pipeline_class,
+    qwen_image_flow_model,
     save_flow_model,
     sd3_flow_model,
     tiny_flow_model,
@@ -45,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 TINY_FLOW = "tiny-flow"
 TINY_SD3 = "tiny-sd3"
+TINY_QWEN_IMAGE = "tiny-qwen-image"
 REWARD_SIGNATURE = "(prompts: list[str], images: numpy uint8 [B, H, W, 3]) -> B floats"
 
 
@@ -56,12 +60,15 @@ class FlowModelConfig(_Section):
     """The flow model trained."""
 
     path: str = Field(TINY_FLOW, description=f"'{TINY_FLOW}' (the random tiny twin on pixels), '{TINY_SD3}' (a random "
-                      "SD3.5-shaped diffusers pipeline), a local diffusers StableDiffusion3Pipeline directory (SD3, "
-                      "SD3.5), or a flow model a run saved (a checkpoint's model/, or its export).")  # fmt: skip
+                      f"SD3.5-shaped diffusers pipeline), '{TINY_QWEN_IMAGE}' (a random Qwen-Image-shaped one), a "
+                      "local diffusers StableDiffusion3Pipeline (SD3, SD3.5) or QwenImagePipeline (Qwen-Image) "
+                      "directory, or a flow model a run saved (a checkpoint's model/, or its export).")  # fmt: skip
     seed: int = Field(0, description=f"Seeds {TINY_FLOW}'s random weights.")
-    resolution: int | None = Field(None, gt=0, description="SD3 pipelines: image side in pixels (default: the "
-                                   "transformer's sample_size x the VAE's scale).")  # fmt: skip
-    max_sequence_length: int = Field(256, gt=0, description="SD3 pipelines: T5 tokens per prompt.")
+    resolution: int | None = Field(None, gt=0, description="Pipelines: image side in pixels (default: SD3 the "
+                                   "transformer's sample_size x the VAE's scale, Qwen-Image 1024, "
+                                   f"{TINY_QWEN_IMAGE} 16).")  # fmt: skip
+    max_sequence_length: int = Field(256, gt=0, description="Pipelines: text tokens per prompt (SD3: T5's; "
+                                     "Qwen-Image: at most 1024).")  # fmt: skip
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model trains and samples: auto = "
                                                    "the GPU when one is visible, else the CPU.")  # fmt: skip
 
@@ -265,19 +272,32 @@ def build_model(cfg: DiffusionConfig) -> FlowModel:
     """The flow model of ``cfg.model``. Raises: ValueError naming model.path when it is none of the kinds it takes."""
     if cfg.model.path == TINY_FLOW:
         return tiny_flow_model(seed=cfg.model.seed)
-    sd3 = dict(resolution=cfg.model.resolution, max_sequence_length=cfg.model.max_sequence_length)
+    sizes = dict(resolution=cfg.model.resolution, max_sequence_length=cfg.model.max_sequence_length)
     if cfg.model.path == TINY_SD3:
         from miles.recipes.models.tiny_sd3 import ensure_tiny_sd3
 
-        return sd3_flow_model(ensure_tiny_sd3(), **sd3)
+        return sd3_flow_model(ensure_tiny_sd3(), **sizes)
+    if cfg.model.path == TINY_QWEN_IMAGE:
+        from miles.recipes.models.tiny_qwen_image import RESOLUTION, ensure_tiny_qwen_image
+
+        return qwen_image_flow_model(ensure_tiny_qwen_image(), **(sizes | {"resolution": sizes["resolution"] or
+                                                                          RESOLUTION}))  # fmt: skip
     path = Path(cfg.model.path).expanduser()
     if (path / FLOW_META).is_file():
         return load_flow_model(path)
-    if (path / "model_index.json").is_file():
-        return sd3_flow_model(path, **sd3)
+    kind = pipeline_class(path)
+    for name, build in PIPELINES.values():
+        if kind == name:
+            return build(path, **sizes)
+    if kind is not None:
+        raise ValueError(
+            f"model.path {cfg.model.path!r} holds a diffusers {kind}; Miles trains StableDiffusion3Pipeline (SD3, "
+            "SD3.5) and QwenImagePipeline (Qwen-Image) directories"
+        )
     raise ValueError(
-        f"model.path {cfg.model.path!r} is neither {TINY_FLOW!r}, {TINY_SD3!r}, a diffusers StableDiffusion3Pipeline "
-        f"directory (model_index.json) nor a flow model a run saved ({FLOW_META}); Miles does not download models"
+        f"model.path {cfg.model.path!r} is neither {TINY_FLOW!r}, {TINY_SD3!r}, {TINY_QWEN_IMAGE!r}, a diffusers "
+        f"StableDiffusion3Pipeline or QwenImagePipeline directory (model_index.json) nor a flow model a run saved "
+        f"({FLOW_META}); Miles does not download models"
     )
 
 
@@ -422,6 +442,11 @@ def _train(
             "loaded %s on %s: transformer %.2f M parameters, latents %s",
             cfg.model.path, device, sum(p.numel() for p in model.transformer.parameters()) / 1e6, model.latent_shape,
         )  # fmt: skip
+        if model.schedule is not None:
+            logger.info(
+                "schedule: the pipeline's own (sigmas %s for %d steps); algorithm.shift is not used",
+                [round(float(s), 4) for s in model.schedule(cfg.algorithm.num_steps)], cfg.algorithm.num_steps,
+            )  # fmt: skip
         try:
             trainer = FlowGRPOTrainer(model, cfg.algorithm, reward, mesh=mesh)
         except ValueError as err:  # algorithm.lora.target_modules that match nothing
