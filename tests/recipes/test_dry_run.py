@@ -79,6 +79,11 @@ def test_cli_dry_run_prints_the_plan_and_starts_nothing(capsys, tmp_path, monkey
     assert not (tmp_path / "runs").exists()  # no run directory, no lock
     assert main(["train", "--recipe", "tiny_flow_grpo_compressibility", "--dry-run"]) == 0
     assert "a diffusion run trains in this process" in capsys.readouterr().out
+    assert main(["train", "--recipe", "qwen_image_flow_grpo_compressibility", "--dry-run"]) == 0  # run.world_size 8
+    assert capsys.readouterr().out == (
+        "# miles train --dry-run: a diffusion run trains in 8 rank processes it spawns (FSDP2 over the transformer, "
+        "one GPU each); nothing else\n"
+    )
 
 
 def test_cli_dry_run_of_a_bad_config_is_one_line():

@@ -138,8 +138,9 @@ a key inside an optional section turns it on (the rest at defaults); --SECTION n
 a list takes a comma list or YAML: --eval.pass-k 1,8 or '[1, 8]' (YAML for items that hold a comma).
 
 diffusion recipes (kind: diffusion: tiny_flow_grpo_compressibility, tiny_flow_nft_compressibility,
-sd35_medium_flow_grpo_compressibility; docs/diffusion.md) have their own keys:
-  --model.path PATH                     tiny-flow, tiny-sd3, or a local diffusers SD3 / SD3.5 pipeline directory
+sd35_medium_flow_grpo_compressibility, qwen_image_flow_grpo_compressibility; docs/diffusion.md) have their own keys:
+  --model.path PATH                     tiny-flow, tiny-sd3, tiny-qwen-image, or a local diffusers SD3 / SD3.5 /
+                                        Qwen-Image pipeline directory
   --model.resolution PX  --model.device auto|cpu|cuda
   --algorithm.loss NAME                 flow_grpo or diffusion_nft
   --algorithm.lr LR  --algorithm.prompts-per-step N  --algorithm.group-size N (images per prompt)
@@ -310,14 +311,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dry_run(cfg: Any, run_dir: Path, checkpoint: Path | None) -> int:
     """``miles train --dry-run``: print the launch plan (``miles.recipes.plan``) of an LLM run, then where it would
-    write and what it would resume from; a diffusion run is one process, said in one line. Nothing is locked,
-    created or started."""
+    write and what it would resume from; a diffusion run (one process, or its ranks) is said in one line. Nothing is
+    locked, created or started."""
     from miles.recipes.config import MilesConfig
     from miles.recipes.plan import launch_plan
 
     if not isinstance(cfg, MilesConfig):
-        where = f"in this process on device {cfg.model.device}"
-        print(f"# miles train --dry-run: a {cfg.kind} run trains {where}; it starts nothing else")  # noqa: T201
+        ranks = cfg.run.world_size
+        where = f"in this process on device {cfg.model.device}; it starts nothing else"
+        if ranks > 1:
+            per_rank = "one GPU each" if cfg.model.device == "cuda" else f"device {cfg.model.device}"
+            where = f"in {ranks} rank processes it spawns (FSDP2 over the transformer, {per_rank}); nothing else"
+        print(f"# miles train --dry-run: a {cfg.kind} run trains {where}")  # noqa: T201
         return 0
     resume = f"; resuming from {checkpoint}" if checkpoint is not None else ""
     print(launch_plan(cfg) + f"run directory: {run_dir}{resume}")  # noqa: T201 - CLI output
