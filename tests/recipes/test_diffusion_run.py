@@ -363,7 +363,9 @@ def test_the_sd35_recipe_is_sized_for_a_gpu_and_its_tiny_twin_runs(tmp_path, mon
     assert [r["step"] for r in train_rows] == [1, 2]
     # CFG 4.5 and the KL to the starting model ran: the KL is 0 on the first step, > 0 after one update
     assert train_rows[0]["kl"] == 0 and train_rows[1]["kl"] > 0
-    assert all(r["train_rollout_logprob_max_abs_diff"] < 1e-5 for r in train_rows)
+    # sampled in bf16, old log-probs recomputed in fp32: the ratio starts at 1, the sampler's gap is logged
+    assert all(r["approx_kl"] == 0 and r["clipfrac"] == 0 for r in train_rows)
+    assert all(0 < r["train_rollout_logprob_max_abs_diff"] < 1 for r in train_rows)
     assert (tmp_path / "cache" / "models" / "tiny-sd3-v1" / "model_index.json").is_file()
 
 

@@ -158,9 +158,11 @@ def test_miles_train_runs_the_qwen_image_recipes_tiny_twin(tmp_path, monkeypatch
     rows = [json.loads(line) for line in (tmp_path / "q" / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
-    # true CFG 4 and the KL to the adapters-off transformer ran: 0 on the first step, > 0 after one update
+    # true CFG 4 and the KL to the adapters-off transformer ran: 0 on the first step, > 0 after one update; sampled
+    # in bf16 with old log-probs recomputed in fp32, so the ratio starts at 1
     assert train_rows[0]["kl"] == 0 and train_rows[1]["kl"] > 0
-    assert all(r["train_rollout_logprob_max_abs_diff"] < 1e-5 and r["grad_norm"] > 0 for r in train_rows)
+    assert all(r["grad_norm"] > 0 and r["approx_kl"] == 0 and r["clipfrac"] == 0 for r in train_rows)
+    assert all(0 < r["train_rollout_logprob_max_abs_diff"] < 1 for r in train_rows)  # sampled in bf16: measured
     assert (tmp_path / "cache" / "models" / "tiny-qwen-image-v1" / "model_index.json").is_file()
     checkpoint = tmp_path / "q" / "checkpoints" / "step_2"
     assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0

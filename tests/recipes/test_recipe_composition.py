@@ -237,6 +237,6 @@ def test_recipes_show_prints_the_recipe_files_comments_and_still_loads_as_the_me
     assert main(["recipes", "show", "sd35_medium_flow_grpo_compressibility"]) == 0
     out = capsys.readouterr().out
     assert "# recipes/sd35_medium_flow_grpo_compressibility.yaml, its comments:" in out
-    assert "#   # reduction). NOT RUN: no GPU here. Memory (fp32): the 2.5 B transformer (10 GB)" in out
+    assert "#   # Memory: the 2.5 B transformer in fp32 (10 GB) and its bf16 rollout copy (5 GB)" in out
     assert "# merged (what miles train starts from):" in out
     assert yaml.safe_load(out) == load_recipe("sd35_medium_flow_grpo_compressibility")

@@ -92,6 +92,18 @@ class FlowGRPOConfig(BaseModel):
     nft_reward_scale: float = Field(
         1.0, gt=0, description="diffusion_nft: Z in r = 0.5 + 0.5 clip(A / Z, -1, 1), A the group-normalized advantage."
     )
+    rollout_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="The sampling copy's dtype. bfloat16 halves its memory and samples as Flow-GRPO's bf16 runs do; "
+        "the trained transformer stays float32 (master weights and compute), each push rounds into the copy.",
+    )
+    old_log_probs: Literal["auto", "rollout", "recompute"] = Field(
+        "auto",
+        description="flow_grpo's old log-probs (the ratio's denominator): rollout = the sampler's; recompute = the "
+        "trained transformer's before the step's first update (one more forward per trained step, no grad; the "
+        "ratio then starts at exactly 1 and train_rollout_logprob_max_abs_diff measures the sampler's gap over the "
+        "whole rollout); auto = recompute with a bfloat16 rollout_dtype, else rollout.",
+    )
     normalize_std: bool = Field(True, description="Divide by the group's reward std (GRPO); False: mean-centring.")
     updates_per_rollout: int = Field(1, gt=0, description="Optimizer steps per rollout batch (mini-batches); "
                                      "past the first, the ratio and its clip matter.")  # fmt: skip
@@ -128,6 +140,11 @@ class FlowGRPOConfig(BaseModel):
                 "algorithm.nft_decay_rate is DiffusionNFT's soft update of its old policy; flow_grpo samples with the "
                 "trained weights: set --algorithm.nft-decay-rate 0 (or --algorithm.loss diffusion_nft)"
             )
+        if self.loss == "diffusion_nft" and self.old_log_probs != "auto":
+            raise ValueError(
+                "algorithm.old_log_probs is flow_grpo's ratio denominator; diffusion_nft uses no log-probs: leave it "
+                "auto"
+            )
         if self.loss == "diffusion_nft" and self.kl_coef > 0:
             raise ValueError(
                 "algorithm.kl_coef is flow_grpo's KL to a reference; diffusion_nft has none: set --algorithm.kl-coef 0"
@@ -138,3 +155,12 @@ class FlowGRPOConfig(BaseModel):
     def batch_size(self) -> int:
         """Images per step."""
         return self.prompts_per_step * self.group_size
+
+    @property
+    def recompute_old_log_probs(self) -> bool:
+        """Whether flow_grpo's old log-probs are the trainer's recompute (``old_log_probs``, auto resolved)."""
+        if self.loss != "flow_grpo":
+            return False
+        if self.old_log_probs == "auto":
+            return self.rollout_dtype != "float32"
+        return self.old_log_probs == "recompute"

@@ -78,7 +78,7 @@ class ByteTextEncoder(nn.Module):
         ids, mask = ids.to(self.byte_table.device), mask.to(self.byte_table.device)
         tokens = (self.byte_table[ids] + self.positions) * mask[..., None]
         pooled = tokens.sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
-        return Conditioning(prompt_embeds=tokens, pooled=pooled @ self.pool)
+        return Conditioning(prompt_embeds=tokens.float(), pooled=(pooled @ self.pool).float())
 
 
 @dataclass
@@ -112,6 +112,13 @@ class FlowModel:
             module.to(device)
         return self
 
+    def cast_frozen(self, dtype: torch.dtype) -> FlowModel:
+        """Cast the frozen parts (text encoders, VAE) to ``dtype`` in place, halving their memory in bfloat16;
+        ``encode`` / ``decode`` still return float32. Returns self."""
+        for module in self.frozen:
+            module.to(dtype)
+        return self
+
 
 def _pixels(latents: Tensor) -> Tensor:
     return latents.float().clamp(-1, 1)
@@ -131,8 +138,9 @@ def _tiny(transformer: nn.Module, source: dict) -> FlowModel:
     encoder = ByteTextEncoder(**source["encoder"], seed=source["encoder_seed"])
     config = transformer.config
     return FlowModel(
-        transformer, encoder, _pixels, (config.in_channels, config.sample_size, config.sample_size), source
-    )
+        transformer, encoder, _pixels, (config.in_channels, config.sample_size, config.sample_size), source,
+        frozen=[encoder],
+    )  # fmt: skip
 
 
 def _absent_components(index: dict) -> dict[str, None]:
@@ -246,7 +254,8 @@ def qwen_image_flow_model(
     @torch.no_grad()
     def decode(latents: Tensor) -> Tensor:
         vae = pipe.vae
-        frames = latents[:, :, None].to(vae.dtype) * std.to(latents.device) + mean.to(latents.device)
+        frames = latents[:, :, None].to(vae.dtype)  # as its pipeline: in the VAE's dtype, divided by 1 / std
+        frames = frames / (1.0 / std).to(frames) + mean.to(frames)
         return vae.decode(frames, return_dict=False)[0][:, :, 0].float().clamp(-1, 1)
 
     def schedule(num_steps: int) -> Tensor:

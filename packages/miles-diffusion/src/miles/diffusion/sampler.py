@@ -150,16 +150,23 @@ def unpack_latents(x: Tensor, size: Sequence[int]) -> Tensor:
     return x.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
 
 
+def weight_dtype(transformer: torch.nn.Module) -> torch.dtype:
+    """The dtype of ``transformer``'s weights (its first parameter's): what its inputs are cast to (a bfloat16
+    sampling copy gets bfloat16 latents and text embeddings; float32 comes back out of ``velocity``)."""
+    return next(transformer.parameters()).dtype
+
+
 def _qwen_forward(transformer: torch.nn.Module, x: Tensor, sigma: Tensor, cond: Conditioning) -> Tensor:
     h, w = x.shape[-2:]
+    dtype = weight_dtype(transformer)
     mask = cond.mask
     if mask is not None and bool(mask.all()):
         mask = None  # as its pipeline: no mask when every token is real
     out = transformer(
-        hidden_states=pack_latents(x.to(cond.prompt_embeds.dtype)),
-        encoder_hidden_states=cond.prompt_embeds,
+        hidden_states=pack_latents(x.to(dtype)),
+        encoder_hidden_states=cond.prompt_embeds.to(dtype),
         encoder_hidden_states_mask=mask,
-        timestep=sigma.to(cond.prompt_embeds.dtype),
+        timestep=sigma.to(dtype),
         img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
         return_dict=False,
     )[0]
@@ -179,11 +186,12 @@ def _noise_rows(
 
 
 def _forward(transformer: torch.nn.Module, x: Tensor, timestep: Tensor, cond: Conditioning) -> Tensor:
+    dtype = weight_dtype(transformer)
     return transformer(
-        hidden_states=x.to(cond.prompt_embeds.dtype),
-        encoder_hidden_states=cond.prompt_embeds,
-        pooled_projections=cond.pooled,
-        timestep=timestep,
+        hidden_states=x.to(dtype),
+        encoder_hidden_states=cond.prompt_embeds.to(dtype),
+        pooled_projections=cond.pooled.to(dtype),
+        timestep=timestep,  # float32, as SD3's pipeline passes it: its sinusoidal embedding is computed in float32
         return_dict=False,
     )[0]
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -58,6 +59,7 @@ from miles.diffusion.sampler import (
     sample_ode,
     step_transition,
     velocity,
+    weight_dtype,
 )
 from miles.sync import InProcessTransport, WeightReceiver, WeightSender
 from miles.train.fsdp2.lora import adapter_dropout, adapters_disabled, apply_lora, full_tensor, merged_weights
@@ -79,7 +81,6 @@ class RewardFailed(ValueError):
 class Rollout:
     """One step's samples.
 
-    Attributes:
     B is the step's whole batch (``prompts_per_step`` x ``group_size`` images, each prompt's group in a row), b the
     rows this rank holds (``rows``; b = B on one rank).
 
@@ -118,6 +119,12 @@ def rank_rows(batch: int, updates: int, rank: int, world_size: int) -> Tensor:
     part = per_update // world_size
     starts = [u * per_update + rank * part for u in range(updates)]
     return torch.cat([torch.arange(start, start + part) for start in starts])
+
+
+def _cast(transformer: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``transformer`` to ``dtype`` in place, as ``torch.nn.Module.to``: diffusers' ``ModelMixin.to`` warns about
+    modules to keep in float32, which SD3's and Qwen-Image's transformers do not have."""
+    torch.nn.Module.to(transformer, dtype)
 
 
 def shard_transformer(transformer: torch.nn.Module, mesh: DeviceMesh) -> None:
@@ -183,7 +190,9 @@ class FlowGRPOTrainer:
                 f"algorithm.updates_per_rollout ({config.updates_per_rollout}) x {self.world_size} ranks equal parts"
             ) from None
         self.policy = model.transformer.float().train()
+        self.rollout_dtype = getattr(torch, config.rollout_dtype)
         self.rollout_transformer = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        _cast(self.rollout_transformer, self.rollout_dtype)
         self.reference = None  # the run's starting weights, for flow_grpo's KL (LoRA: the policy, adapters off)
         if config.lora is not None:
             apply_lora(self.policy, config.lora, key="algorithm.lora")
@@ -236,14 +245,16 @@ class FlowGRPOTrainer:
 
     @contextlib.contextmanager
     def trained_transformer(self) -> Iterator[torch.nn.Module]:
-        """A plain transformer holding the trained weights inside the block (what a checkpoint's ``model/`` saves):
-        the policy; with LoRA or several ranks the rollout copy, which every ``train`` ends by loading with the
-        (merged, whole) weights (with ``nft_decay_rate`` it holds the old policy: it holds the trained weights inside
-        the block, and the old policy's again after it). Collective on several ranks."""
+        """A plain float32 transformer holding the trained weights inside the block (what a checkpoint's ``model/``
+        saves): the policy; with LoRA or several ranks the rollout copy, which every ``train`` ends by loading with
+        the (merged, whole) weights. With ``nft_decay_rate`` the copy holds the old policy, and with a bfloat16
+        ``rollout_dtype`` their rounding: then the trained weights are loaded into it, in float32 for a bfloat16
+        copy (converted in place, tensor by tensor), and what it held is put back after the block. Collective on
+        several ranks."""
         if self.config.lora is None and self.mesh is None:
             yield self.policy
             return
-        if self.old_params is None:
+        if self.old_params is None and self.rollout_dtype == torch.float32:
             yield self.rollout_transformer
             return
         if self.config.lora is not None:
@@ -251,11 +262,20 @@ class FlowGRPOTrainer:
         else:
             merged = {name: full_tensor(t) for name, t in self.policy.state_dict().items()}
         held = {name: self._rollout_tensors[name].detach().clone() for name in merged}
+        self._rollout_as(torch.float32)
         self._load_rollout(list(merged.items()))
         try:
             yield self.rollout_transformer
         finally:
+            self._rollout_as(self.rollout_dtype)
             self._load_rollout(list(held.items()))
+
+    def _rollout_as(self, dtype: torch.dtype) -> None:
+        """Convert the rollout copy to ``dtype`` in place (parameters keep their identity; buffers are replaced, so
+        the name -> tensor map the weight receiver loads into is rebuilt)."""
+        if weight_dtype(self.rollout_transformer) != dtype:
+            _cast(self.rollout_transformer, dtype)
+            self._rollout_tensors = dict(self.rollout_transformer.state_dict(keep_vars=True))
 
     def _sigmas(self) -> Tensor | None:
         """The model's own schedule for ``num_steps`` (Qwen-Image); None: the sampler's SD3 schedule with ``shift``."""
@@ -382,13 +402,17 @@ class FlowGRPOTrainer:
         cfg = self.config
         cond, uncond = self._conditions(rollout.prompts)
         sums: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0}
+        if cfg.recompute_old_log_probs:
+            rollout, sums["recompute_diff"] = self._recompute_old_log_probs(rollout, cond, uncond, step=step)
         applied = 0
         dropout = adapter_dropout(self.policy) if cfg.lora is not None else contextlib.nullcontext()
         with dropout:
             for update in range(cfg.updates_per_rollout):
                 applied += self._update(rollout, cond, uncond, step=step, update=update, sums=sums)
-        global_keys = {"loss", "grad_norm", "logprob_diff"}  # already the whole batch's, or a maximum
+        global_keys = {"loss", "grad_norm", "logprob_diff", "recompute_diff"}  # the whole batch's, or a maximum
         sums.update(self._reduce({k: v for k, v in sums.items() if k not in global_keys}, op="mean"))
+        if "recompute_diff" in sums:  # the sampler's gap over the whole rollout, not the recompute's own 0
+            sums["logprob_diff"] = sums.pop("recompute_diff")
         if "logprob_diff" in sums:
             sums.update(self._reduce({"logprob_diff": sums["logprob_diff"]}, op="max"))
         if self.old_params is not None:
@@ -397,6 +421,29 @@ class FlowGRPOTrainer:
         if cfg.loss == "flow_grpo":
             sums["train_rollout_logprob_max_abs_diff"] = sums.pop("logprob_diff")
         return {**sums, "optimizer_steps": float(applied), "weight_version": float(version)}
+
+    @torch.no_grad()
+    def _recompute_old_log_probs(
+        self, rollout: Rollout, cond: Conditioning, uncond: Conditioning | None, *, step: int
+    ) -> tuple[Rollout, float]:
+        """``rollout`` with the log-probs of every step this train step trains on recomputed by the trained
+        transformer (as it is before the first update, no adapter dropout), in micro-batches; the other steps keep
+        the sampler's. Returns: (that rollout, the largest |recomputed - sampled| on this rank)."""
+        cfg = self.config
+        traj = rollout.trajectories
+        steps = sorted({i for update in range(cfg.updates_per_rollout) for i in self._train_steps(step, update)})
+        log_probs = traj.log_probs.clone()
+        kwargs = dict(noise_level=cfg.noise_level, guidance_scale=cfg.guidance_scale)
+        for start in range(0, len(rollout.prompts), cfg.micro_batch_size):
+            rows = slice(start, min(start + cfg.micro_batch_size, len(rollout.prompts)))
+            mb_traj = Trajectories(traj.latents[rows], traj.sigmas, traj.log_probs[rows])
+            mb_uncond = uncond.rows(rows) if uncond is not None else None
+            for i in steps:
+                log_probs[rows, i] = step_transition(self.policy, mb_traj, cond.rows(rows), i, uncond=mb_uncond,
+                                                     **kwargs).log_prob  # fmt: skip
+        gap = float((log_probs[:, steps] - traj.log_probs[:, steps]).abs().max()) if steps else 0.0
+        recomputed = Trajectories(traj.latents, traj.sigmas, log_probs)
+        return dataclasses.replace(rollout, trajectories=recomputed), gap
 
     def _update(
         self,
