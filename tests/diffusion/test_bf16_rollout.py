@@ -98,3 +98,13 @@ def test_the_sd35_recipe_trains_in_bfloat16_on_its_tiny_twin(tmp_path, monkeypat
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2] and all(r["grad_norm"] > 0 for r in train_rows)
     assert all(0 < r["train_rollout_logprob_max_abs_diff"] < 1 for r in train_rows)  # bfloat16's gap, measured
+
+
+def test_the_tiny_twins_encoder_moves_and_casts_with_the_model():
+    model = tiny_flow_model()
+    model.to("meta")  # the byte encoder is a frozen part: a GPU run moves it with the transformer (it stayed behind)
+    assert model.frozen[0].byte_table.device.type == "meta"
+    model = tiny_flow_model().cast_frozen(torch.bfloat16)
+    cond = model.encode(PROMPTS)
+    assert model.frozen[0].byte_table.dtype == torch.bfloat16 and cond.prompt_embeds.dtype == torch.float32
+    assert torch.isfinite(cond.pooled).all()
