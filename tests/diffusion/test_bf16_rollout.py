@@ -63,10 +63,12 @@ def test_a_checkpoint_of_a_bfloat16_copy_with_lora_saves_the_float32_merged_weig
     trainer = FlowGRPOTrainer(tiny_flow_model(), config, brightness)
     trainer.step(PROMPTS)
     held = {n: t.detach().clone() for n, t in trainer.rollout_transformer.state_dict().items()}
-    merged = dict(merged_weights(trainer.policy, trainer._adapted()))
+    merged = dict(merged_weights(trainer.policy, trainer.policy.state_dict().items()))  # every layer, float32
+    assert set(merged) == set(held)
     with trainer.trained_transformer() as transformer:
         saved = transformer.state_dict()
         assert {t.dtype for t in saved.values()} == {torch.float32}
+        # the adapted layers merged, and the others exactly as loaded (not their bf16 roundings)
         assert all(torch.equal(saved[n], t) for n, t in merged.items())
     after = trainer.rollout_transformer.state_dict()
     assert all(after[n].dtype == torch.bfloat16 and torch.equal(after[n], held[n]) for n in held)

@@ -39,7 +39,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,7 +214,7 @@ class FlowGRPOTrainer:
             self.old_params = {n: p.detach().clone() for n, p in self.policy.named_parameters() if p.requires_grad}
         self.publish(everything=True)
 
-    def _load_rollout(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
+    def _load_rollout(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in named_tensors:
                 self._rollout_tensors[name].copy_(tensor)
@@ -228,15 +228,20 @@ class FlowGRPOTrainer:
             everything: send every tensor (the first push, a resume).
         Returns: the new weight version.
         """
-        named = self.policy.state_dict().items()
-        if self.config.lora is not None:
-            named = merged_weights(self.policy, named if everything else self._adapted(), adapters=self.old_params)
-        elif self.old_params is not None:
-            named = ((name, full_tensor(self.old_params.get(name, t))) for name, t in named)
-        else:
-            named = ((name, full_tensor(t)) for name, t in named)
         with torch.no_grad():
-            return self.sender.push(named, version=version)
+            return self.sender.push(self._rollout_weights(everything=everything), version=version)
+
+    def _rollout_weights(self, *, everything: bool, trained: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """What the rollout copy samples with, as whole float32 tensors streamed one by one: the policy's weights
+        (LoRA: the adapted layers' merged weights, every layer's with ``everything``), or with ``nft_decay_rate``
+        the old policy's unless ``trained``. Collective on several ranks (each tensor gathered)."""
+        named = self.policy.state_dict().items()
+        adapters = None if trained else self.old_params
+        if self.config.lora is not None:
+            return merged_weights(self.policy, named if everything else self._adapted(), adapters=adapters)
+        if adapters is not None:
+            return ((name, full_tensor(adapters.get(name, t))) for name, t in named)
+        return ((name, full_tensor(t)) for name, t in named)
 
     def _adapted(self) -> list[tuple[str, Tensor]]:
         """The LoRA-wrapped layers' state-dict items (base weights and biases, adapters): what merges into the
@@ -247,28 +252,23 @@ class FlowGRPOTrainer:
     def trained_transformer(self) -> Iterator[torch.nn.Module]:
         """A plain float32 transformer holding the trained weights inside the block (what a checkpoint's ``model/``
         saves): the policy; with LoRA or several ranks the rollout copy, which every ``train`` ends by loading with
-        the (merged, whole) weights. With ``nft_decay_rate`` the copy holds the old policy, and with a bfloat16
-        ``rollout_dtype`` their rounding: then the trained weights are loaded into it, in float32 for a bfloat16
-        copy (converted in place, tensor by tensor), and what it held is put back after the block. Collective on
-        several ranks."""
+        the (merged, whole) weights. When the copy holds something else (the old policy with ``nft_decay_rate``,
+        bfloat16 roundings with ``rollout_dtype``), it is turned float32 in place, loaded with the trained weights
+        (streamed, one tensor at a time) and, after the block, turned back and loaded with what the last push left
+        there (derived again, bit for bit). Collective on several ranks."""
         if self.config.lora is None and self.mesh is None:
             yield self.policy
             return
         if self.old_params is None and self.rollout_dtype == torch.float32:
             yield self.rollout_transformer
             return
-        if self.config.lora is not None:
-            merged = dict(merged_weights(self.policy, self._adapted()))
-        else:
-            merged = {name: full_tensor(t) for name, t in self.policy.state_dict().items()}
-        held = {name: self._rollout_tensors[name].detach().clone() for name in merged}
         self._rollout_as(torch.float32)
-        self._load_rollout(list(merged.items()))
+        self._load_rollout(self._rollout_weights(everything=True, trained=True))
         try:
             yield self.rollout_transformer
         finally:
             self._rollout_as(self.rollout_dtype)
-            self._load_rollout(list(held.items()))
+            self._load_rollout(self._rollout_weights(everything=True))
 
     def _rollout_as(self, dtype: torch.dtype) -> None:
         """Convert the rollout copy to ``dtype`` in place (parameters keep their identity; buffers are replaced, so
