@@ -462,3 +462,75 @@ def test_the_ranks_must_split_every_mini_batch(capsys):
         resolve_config(
             "tiny_flow_grpo_compressibility", ["--run.world-size", "3", "--algorithm.updates-per-rollout", "2"]
         )
+
+
+def _children(pid):
+    """The pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc; prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_ranks_whose_supervisor_is_killed_stop_together_and_the_run_continues(tmp_path):
+    """SIGKILL of `miles train` (no handler runs) must not leave its ranks waiting 30 minutes on a dead peer: they
+    get SIGTERM from the kernel, stop after the same step, rank 0 saves, and the run resumes."""
+    import subprocess
+    import sys
+    import time
+
+    args = ["train", "--recipe", RECIPE, "--run.dir", str(tmp_path), "--run.name", "k", *SMALL, *TWO,
+            "--loop.num-steps", "200", "--loop.save-interval", "1000", "--eval.interval", "0"]  # fmt: skip
+    supervisor = subprocess.Popen([sys.executable, "-m", "miles.recipes.cli", *args], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)  # fmt: skip
+    run, ranks = tmp_path / "k", []
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().endswith("}\n")):  # a step done: the ranks train
+            assert supervisor.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        ranks = [pid for pid in _children(supervisor.pid) if "spawn_main" in _cmdline(pid)]
+        assert len(ranks) == 2, ranks
+        supervisor.kill()
+        supervisor.wait()
+        deadline = time.monotonic() + 60
+        while any(os.path.exists(f"/proc/{pid}") and "(Z)" not in _state(pid) for pid in ranks):
+            assert time.monotonic() < deadline, "the ranks outlived their supervisor"
+            time.sleep(0.2)
+    finally:  # nothing left running, whatever failed
+        supervisor.kill()
+        for pid in ranks:
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+    saved = (run / "checkpoints" / "latest").read_text().strip()  # rank 0 saved the step they stopped after
+    step = int(saved.removeprefix("step_"))
+    assert 1 <= step < 200 and rows(run)[-1]["step"] == step
+    assert main(["train", "--run.dir", str(tmp_path), "--run.name", "k", "--resume", "--loop.num-steps",
+                 str(step + 1), "--run.world-size", "1", "--run.progress", "false"]) == 0  # fmt: skip
+    assert rows(run)[-1]["step"] == step + 1
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as cmdline:
+            return cmdline.read()
+    except OSError:
+        return ""
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0].join("()")
+    except OSError:
+        return "(gone)"

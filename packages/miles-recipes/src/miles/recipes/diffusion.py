@@ -598,7 +598,7 @@ def _run_ranks(cfg: DiffusionConfig, run_dir: Path, *, resume_from: Path | None,
     reports = context.Queue()
     address = f"tcp://127.0.0.1:{free_port()}"
     args = (world, address, device.type, cfg.model_dump(mode="json"), str(run_dir),
-            str(resume_from) if resume_from else None, replace_existing, reports)  # fmt: skip
+            str(resume_from) if resume_from else None, replace_existing, reports, os.getpid())  # fmt: skip
     ranks = [
         context.Process(target=_rank_process, args=(rank, *args), name=f"miles-rank{rank}") for rank in range(world)
     ]
@@ -663,6 +663,24 @@ def _run_ranks(cfg: DiffusionConfig, run_dir: Path, *, resume_from: Path | None,
     )
 
 
+def _stop_with(supervisor: int) -> None:
+    """Ask the kernel for a SIGTERM when the supervising process dies (Linux ``prctl(PR_SET_PDEATHSIG)``), and send
+    it now if it already has: a ``miles train`` killed by SIGKILL must not leave ranks waiting 30 minutes on each
+    other. All ranks get it together, so they stop after the same step and rank 0 saves, as after a Ctrl-C.
+    Elsewhere (macOS) nothing is asked."""
+    import ctypes
+    import os
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != supervisor:  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _rank_process(
     rank: int,
     world: int,
@@ -673,13 +691,17 @@ def _rank_process(
     resume_from: str | None,
     replace_existing: bool,
     reports: Any,
+    supervisor: int,
 ) -> None:
     """One rank of ``_run_ranks``: joins the process group, trains (``_train``) and reports ("ok", the result) or
-    (the exception's type name, its message) on ``reports``; exit status 1 after a failure."""
+    (the exception's type name, its message) on ``reports``; exit status 1 after a failure. If the supervising
+    process (pid ``supervisor``) dies, even by SIGKILL, the rank gets a SIGTERM (``_stop_with``)."""
     import datetime
     import sys
 
     from torch.distributed.device_mesh import init_device_mesh
+
+    _stop_with(supervisor)
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:  # the console shows INFO; per-step DEBUG lines go to train.log
