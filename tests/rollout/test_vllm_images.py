@@ -142,6 +142,41 @@ def test_digests_use_vllms_names_and_its_zero_padded_vocabulary_rows():
     }
 
 
+@pytest.mark.parametrize(
+    "model_type, hf_name, vllm_name",
+    [
+        pytest.param("qwen2_vl", "model.language_model.norm.weight", "language_model.model.norm.weight", id="lm"),
+        pytest.param("qwen2_vl", "model.norm.weight", "language_model.model.norm.weight", id="lm_before_4.52"),
+        pytest.param("qwen2_vl", "model.visual.merger.ln_q.weight", "visual.merger.ln_q.weight", id="tower"),
+        pytest.param("qwen2_vl", "lm_head.weight", "language_model.lm_head.weight", id="untied_head"),
+        pytest.param("qwen3_vl", "model.visual.merger.norm.weight", "visual.merger.norm.weight", id="qwen3_tower"),
+        pytest.param("qwen3_vl", "model.norm.weight", "model.norm.weight", id="qwen3_no_old_layout"),
+    ],
+)
+def test_digests_are_keyed_by_the_names_vllms_hf_to_vllm_mapper_gives(model_type, hf_name, vllm_name):
+    """vLLM 0.32's qwen2_vl.py / qwen3_vl.py ``hf_to_vllm_mapper`` prefixes; only Qwen2-VL maps the pre-4.52
+    ``model.`` layout (qwen3_vl.py has no such entry)."""
+    from miles.rollout.engines.vllm import VLLM_NAME_PREFIXES
+
+    sink = StreamingDigests(torch.float32, VLLM_NAME_PREFIXES[model_type])
+    sink.add(hf_name, torch.ones(64))  # 64 rows: an lm_head needs no vocabulary padding
+    assert sink.digests == {vllm_name: _digest(torch.ones(64))}
+
+
+def test_qwen2_q_k_v_biases_are_digested_as_vllms_fused_qkv_proj_bias():
+    """Qwen2's attention has q/k/v biases; vLLM stacks them into one ``qkv_proj.bias`` (a plain tensor on the CPU,
+    so checkable, unlike the weights in GEMM handles)."""
+    from miles.rollout.engines.vllm import VLLM_NAME_PREFIXES
+
+    q, k, v = torch.tensor([1.0, 2.0]), torch.tensor([3.0]), torch.tensor([4.0])  # 9 heads: 3 kv heads in SmolLM2
+    sink = StreamingDigests(torch.float32, VLLM_NAME_PREFIXES["qwen2_vl"])
+    for part, tensor in (("q", q), ("k", k), ("v", v)):
+        sink.add(f"model.language_model.layers.3.self_attn.{part}_proj.bias", tensor)
+    fused = "language_model.model.layers.3.self_attn.qkv_proj.bias"
+    assert sink.digests[fused] == _digest(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert not sink._pending  # nothing held once the three parts are in
+
+
 def test_collapsing_keeps_one_token_per_run_and_every_other_token():
     assert collapse_image_placeholders([PAD, PAD, 1, PAD, 2, 2], PAD) == [PAD, 1, PAD, 2, 2]
     assert collapse_image_placeholders([1, 2], PAD) == [1, 2]

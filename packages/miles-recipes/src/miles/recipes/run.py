@@ -1091,11 +1091,12 @@ def _may_feed_images(cfg: MilesConfig) -> bool:
 
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
     """Refuse, in one line, what vision-language policies do not run with yet: vLLM servers when the prompts may
-    carry images, except Qwen3-VL with full-weight updates through the weight group (SGLang-API servers take them as
-    image_data; text-only runs of a vision-language checkpoint, as Qwen3.5's, use any engine), SFT rollouts and
-    agent plugins (their renderers do not carry images; multi-turn tool calling does), a critic (no
-    token-classification head for VLMs), and a text-only reference or teacher. The Megatron backend refuses the
-    architecture itself (``_check_megatron_models``). From config.json files alone, before anything starts."""
+    carry images, except Qwen3-VL and Qwen2-VL (``vllm_images.IMAGE_MODEL_TYPES``) with full-weight updates through
+    the weight group (SGLang-API servers take them as image_data; text-only runs of a vision-language checkpoint, as
+    Qwen3.5's, use any engine), SFT rollouts and agent plugins (their renderers do not carry images; multi-turn tool
+    calling does), a critic (no token-classification head for VLMs), and a text-only reference or teacher. The
+    Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json files alone,
+    before anything starts."""
     from miles.core.multimodal import is_multimodal_config
     from transformers import AutoConfig
 
@@ -1115,8 +1116,10 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
     where = f"models.policy.path ({model_path}) is a vision-language model"
     images = _may_feed_images(cfg)
     if cfg.engine.type == "vllm" and images:
+        from miles.rollout.engines.vllm_images import IMAGE_MODEL_TYPES
+
         untested = {
-            "a model type other than qwen3_vl": config.model_type != "qwen3_vl",
+            f"a model type other than {' or '.join(IMAGE_MODEL_TYPES)}": config.model_type not in IMAGE_MODEL_TYPES,
             "engine.weight_transfer disk": cfg.engine.weight_transfer == "disk",
             "LoRA adapter sync (train.lora.sync adapter)": cfg.train.lora is not None
             and cfg.train.lora.sync == "adapter",
@@ -1124,9 +1127,9 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
         for what, refused in untested.items():
             if refused:
                 raise RunSetupError(
-                    f"{where} ({config.model_type}): image prompts go to vLLM servers for Qwen3-VL with the weight "
-                    f"group's full-weight updates only, not with {what} yet; set --engine.type embedded or sglang "
-                    "(a text-only run, without data.image_key or a custom data source, may use vLLM)"
+                    f"{where} ({config.model_type}): image prompts go to vLLM servers for Qwen3-VL and Qwen2-VL with "
+                    f"the weight group's full-weight updates only, not with {what} yet; set --engine.type embedded or "
+                    "sglang (a text-only run, without data.image_key or a custom data source, may use vLLM)"
                 )
     if not images and cfg.engine.type != "embedded":
         logger.info("%s, trained on text prompts only (engine %s)", where, cfg.engine.type)

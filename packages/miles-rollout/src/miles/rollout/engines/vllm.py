@@ -583,18 +583,25 @@ def parse_completion(body: dict[str, Any], *, request_id: str) -> GenerateOutput
 
 #: vLLM's fused parameters of Llama-style models: the fused name's part, and the HF parts stacked on dim 0 in order
 FUSED_PARAMETERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: what of a fused parameter's parts is stacked: weights, and biases where the model has them (Qwen2's q/k/v)
+FUSED_KINDS = ("weight", "bias")
 #: vLLM pads the vocabulary rows of these parameters with zeros to a multiple of ``VOCAB_PADDING`` (one server
 #: rank: ``VocabParallelEmbedding``'s ``DEFAULT_VOCAB_PADDING_SIZE``, vLLM 0.32)
 VOCAB_PARAMETERS = ("embed_tokens.weight", "lm_head.weight")
 VOCAB_PADDING = 64
-#: HF -> vLLM parameter name prefixes by ``model_type`` where vLLM's model renames (its ``hf_to_vllm_mapper``; vLLM
-#: 0.32's ``qwen3_vl.py``); the pushed names stay HF's (vLLM's ``load_weights`` maps them), only digests use these
+#: HF -> vLLM parameter name prefixes by ``model_type`` where vLLM's model renames (its ``hf_to_vllm_mapper`` in vLLM
+#: 0.32's ``qwen3_vl.py`` and ``qwen2_vl.py``; the first prefix that matches applies, which for these names is what
+#: vLLM's in-order renaming gives); the pushed names stay HF's (vLLM's ``load_weights`` maps them), only digests
+#: use these
+_QWEN_VL_PREFIXES = {
+    "model.visual.": "visual.",
+    "lm_head.": "language_model.lm_head.",
+    "model.language_model.": "language_model.model.",
+}
 VLLM_NAME_PREFIXES: dict[str, dict[str, str]] = {
-    "qwen3_vl": {
-        "model.visual.": "visual.",
-        "lm_head.": "language_model.lm_head.",
-        "model.language_model.": "language_model.model.",
-    },
+    "qwen3_vl": _QWEN_VL_PREFIXES,
+    # Qwen2-VL checkpoints saved before transformers 4.52 name the language model "model.", not "model.language_model."
+    "qwen2_vl": {**_QWEN_VL_PREFIXES, "model.": "language_model.model."},
 }
 
 
@@ -607,9 +614,10 @@ def vllm_name_prefixes(model_path: str | Path) -> dict[str, str]:
 class StreamingDigests:
     """sha256 digests, as vLLM's ``/weight_checker`` computes them, of the parameters vLLM builds from HF-named
     tensors, computed while the tensors stream past (``watch``): each tensor under its own name, plus the fused
-    ``qkv_proj`` (q, k, v stacked on dim 0) and ``gate_up_proj`` (gate, up) of Llama-style models, all cast to the
-    server's ``dtype``. Only the parts of a fused parameter still waiting for a sibling are held (one layer's q/k
-    or gate at most), so checking an update never needs the whole model in memory.
+    ``qkv_proj`` (q, k, v stacked on dim 0; weights, and biases where there are: Qwen2) and ``gate_up_proj`` (gate,
+    up) of Llama-style models, all cast to the server's ``dtype``. Only the parts of a fused parameter still waiting
+    for a sibling are held (one layer's q/k or gate at most), so checking an update never needs the whole model in
+    memory.
 
     Args:
         dtype: the server's dtype; floating-point tensors are digested as that dtype, others as their own.
@@ -655,9 +663,9 @@ class StreamingDigests:
             data = torch.cat([data, data.new_zeros(VOCAB_PADDING - data.shape[0] % VOCAB_PADDING, *data.shape[1:])])
         self.digests[name] = _sha256(data)
         for fused, parts in FUSED_PARAMETERS.items():
-            for part in parts:
-                if name.endswith(f".{part}.weight"):
-                    fused_name = name.removesuffix(f"{part}.weight") + f"{fused}.weight"
+            for part, kind in itertools.product(parts, FUSED_KINDS):
+                if name.endswith(f".{part}.{kind}"):
+                    fused_name = name.removesuffix(f"{part}.{kind}") + f"{fused}.{kind}"
                     seen = self._pending.setdefault(fused_name, {})
                     seen[part] = data
                     if len(seen) == len(parts):  # stacked on dim 0 = the parts' bytes one after another

