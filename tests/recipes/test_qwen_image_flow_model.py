@@ -6,6 +6,7 @@ runs the Qwen-Image recipe's tiny twin."""
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -167,6 +168,20 @@ def test_miles_train_runs_the_qwen_image_recipes_tiny_twin(tmp_path, monkeypatch
     checkpoint = tmp_path / "q" / "checkpoints" / "step_2"
     assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0
     assert json.loads((tmp_path / "exported" / "model_index.json").read_text())["_class_name"] == "QwenImagePipeline"
+
+
+def test_a_size_the_pipeline_refuses_names_the_config_key_and_its_flag(tmp_path, monkeypatch):
+    from miles.recipes.cli import resolve_config
+    from miles.recipes.diffusion import build_model
+
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
+    for flag, value, said in (
+        ("--model.resolution", "18", "model.resolution [--model.resolution]: 18 must be a multiple of 4"),
+        ("--model.max-sequence-length", "2000", "model.max_sequence_length [--model.max-sequence-length]: must lie"),
+    ):
+        cfg = resolve_config("qwen_image_flow_grpo_compressibility", [flag, value], tiny=True)
+        with pytest.raises(ValueError, match=re.escape(said)):
+            build_model(cfg)
 
 
 def test_another_pipeline_class_is_one_line_naming_the_two_it_takes(tmp_path):

@@ -115,8 +115,8 @@ class FlowModel:
     def cast_frozen(self, dtype: torch.dtype) -> FlowModel:
         """Cast the frozen parts (text encoders, VAE) to ``dtype`` in place, halving their memory in bfloat16;
         ``encode`` / ``decode`` still return float32. Returns self."""
-        for module in self.frozen:
-            module.to(dtype)
+        for module in self.frozen:  # as torch casts: diffusers' ModelMixin.to warns about an empty keep-in-fp32 list
+            nn.Module.to(module, dtype)
         return self
 
 
@@ -176,7 +176,8 @@ def sd3_flow_model(
     size = resolution if resolution is not None else pipe.transformer.config.sample_size * scale
     patch = pipe.transformer.config.patch_size
     if size % (scale * patch):
-        raise ValueError(f"resolution {size} must be a multiple of {scale * patch} (VAE scale x patch size)")
+        raise ValueError(f"resolution {size} must be a multiple of {scale * patch} (VAE scale x patch size), "
+                         f"{_nearest(size, scale * patch)}")  # fmt: skip
 
     @torch.no_grad()
     def encode(prompts: Sequence[str]) -> Conditioning:
@@ -231,7 +232,8 @@ def qwen_image_flow_model(
     scale = pipe.vae_scale_factor
     size = resolution if resolution is not None else pipe.default_sample_size * scale
     if size % (scale * 2):
-        raise ValueError(f"resolution {size} must be a multiple of {scale * 2} (VAE scale x the 2 x 2 patches)")
+        raise ValueError(f"resolution {size} must be a multiple of {scale * 2} (VAE scale x the 2 x 2 patches), "
+                         f"{_nearest(size, scale * 2)}")  # fmt: skip
     side = size // scale
     vae_config = pipe.vae.config
     mean = torch.tensor(vae_config.latents_mean).view(1, vae_config.z_dim, 1, 1, 1)
@@ -270,6 +272,12 @@ def qwen_image_flow_model(
     latent_shape = (vae_config.z_dim, side, side)
     return FlowModel(pipe.transformer.float(), encode, decode, latent_shape, source, [pipe.vae, pipe.text_encoder],
                      schedule)  # fmt: skip
+
+
+def _nearest(size: int, multiple: int) -> str:
+    """The multiples of ``multiple`` around ``size``, as a suggestion: "e.g. 16 or 20"."""
+    below, above = size - size % multiple, size - size % multiple + multiple
+    return f"e.g. {below} or {above}" if below > 0 else f"e.g. {above}"
 
 
 def _pipeline_index(pipeline_dir: Path, class_name: str) -> dict:

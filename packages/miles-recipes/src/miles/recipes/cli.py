@@ -141,7 +141,10 @@ diffusion recipes (kind: diffusion: tiny_flow_grpo_compressibility, tiny_flow_nf
 sd35_medium_flow_grpo_compressibility, qwen_image_flow_grpo_compressibility; docs/diffusion.md) have their own keys:
   --model.path PATH                     tiny-flow, tiny-sd3, tiny-qwen-image, or a local diffusers SD3 / SD3.5 /
                                         Qwen-Image pipeline directory
-  --model.resolution PX  --model.device auto|cpu|cuda
+  --model.resolution PX  --model.max-sequence-length N  --model.device auto|cpu|cuda
+  --model.frozen-dtype bfloat16         text encoders and VAE in bf16 (--algorithm.rollout-dtype bfloat16: the
+                                        sampling copy; old log-probs are then the trainer's fp32 recompute)
+  --run.world-size N                    N rank processes (FSDP2 over the transformer)
   --algorithm.loss NAME                 flow_grpo or diffusion_nft
   --algorithm.lr LR  --algorithm.prompts-per-step N  --algorithm.group-size N (images per prompt)
   --algorithm.num-steps N               denoising steps sampled (--algorithm.train-steps K: train on K of them)

@@ -275,7 +275,15 @@ def build_reward(cfg: DiffusionConfig, device: torch.device | str = "cpu") -> Im
 def build_model(cfg: DiffusionConfig) -> FlowModel:
     """The flow model of ``cfg.model``, its frozen parts in ``model.frozen_dtype``. Raises: ValueError naming
     model.path when it is none of the kinds it takes."""
-    return _build_model(cfg).cast_frozen(getattr(torch, cfg.model.frozen_dtype))
+    try:
+        model = _build_model(cfg)
+    except ValueError as err:  # a pipeline builder's argument: name the config key and its flag
+        for key in ("resolution", "max_sequence_length"):
+            if str(err).startswith(f"{key} "):
+                flag = key.replace("_", "-")
+                raise ValueError(f"model.{key} [--model.{flag}]: {str(err).removeprefix(key + ' ')}") from None
+        raise
+    return model.cast_frozen(getattr(torch, cfg.model.frozen_dtype))
 
 
 def _build_model(cfg: DiffusionConfig) -> FlowModel:
@@ -451,6 +459,12 @@ def _train(
             "loaded %s on %s: transformer %.2f M parameters, latents %s",
             cfg.model.path, device, sum(p.numel() for p in model.transformer.parameters()) / 1e6, model.latent_shape,
         )  # fmt: skip
+        if cfg.algorithm.rollout_dtype != "float32" or cfg.model.frozen_dtype != "float32":
+            logger.info(
+                "precision: the trained transformer float32, the sampling copy %s, text encoders and VAE %s; old "
+                "log-probs: %s", cfg.algorithm.rollout_dtype, cfg.model.frozen_dtype,
+                "the trainer's float32 recompute" if cfg.algorithm.recompute_old_log_probs else "the sampler's",
+            )  # fmt: skip
         if model.schedule is not None:
             logger.info(
                 "schedule: the pipeline's own (sigmas %s for %d steps); algorithm.shift is not used",
