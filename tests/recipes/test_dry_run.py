@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from miles.recipes.cli import main, resolve_config
 from miles.recipes.plan import launch_plan
 
@@ -79,10 +80,22 @@ def test_cli_dry_run_prints_the_plan_and_starts_nothing(capsys, tmp_path, monkey
     assert not (tmp_path / "runs").exists()  # no run directory, no lock
     assert main(["train", "--recipe", "tiny_flow_grpo_compressibility", "--dry-run"]) == 0
     assert "a diffusion run trains in this process" in capsys.readouterr().out
-    assert main(["train", "--recipe", "qwen_image_flow_grpo_compressibility", "--dry-run"]) == 0  # run.world_size 8
+    assert main(["train", "--recipe", "qwen_image_flow_grpo_compressibility", "--dry-run", "--run.name", "q"]) == 0
+    gpu = torch.cuda.is_available()
     assert capsys.readouterr().out == (
         "# miles train --dry-run: a diffusion run trains in 8 rank processes it spawns (FSDP2 over the transformer, "
-        "one GPU each); nothing else\n"
+        "one GPU each); nothing else\n"  # run.world_size 8
+        "model: /models/Qwen-Image NOT FOUND here: miles train would stop; pass a local diffusers pipeline directory\n"
+        f"device: {'cuda' if gpu else 'cuda (no GPU visible here: miles train would stop)'}; precision: trained "
+        "float32, sampling copy bfloat16, text encoders and VAE bfloat16\n"
+        "algorithm: flow_grpo, 8 prompts x 16 images a step, 10 denoising steps (6 trained), LoRA r 64 on 12 module "
+        "names\n"
+        "loop: 100 steps, a checkpoint every 10, eval every 10\n"
+        "run directory: runs/q\n"
+    )
+    assert main(["train", "--recipe", "qwen_image_flow_grpo_compressibility", "--tiny", "--dry-run"]) == 0
+    assert "\nmodel: tiny-qwen-image (random, built offline into the model cache)\ndevice: cpu;" in (
+        capsys.readouterr().out
     )
 
 

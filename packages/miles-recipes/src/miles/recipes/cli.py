@@ -319,15 +319,12 @@ def _dry_run(cfg: Any, run_dir: Path, checkpoint: Path | None) -> int:
     from miles.recipes.config import MilesConfig
     from miles.recipes.plan import launch_plan
 
-    if not isinstance(cfg, MilesConfig):
-        ranks = cfg.run.world_size
-        where = f"in this process on device {cfg.model.device}; it starts nothing else"
-        if ranks > 1:
-            per_rank = "one GPU each" if cfg.model.device == "cuda" else f"device {cfg.model.device}"
-            where = f"in {ranks} rank processes it spawns (FSDP2 over the transformer, {per_rank}); nothing else"
-        print(f"# miles train --dry-run: a {cfg.kind} run trains {where}")  # noqa: T201
-        return 0
     resume = f"; resuming from {checkpoint}" if checkpoint is not None else ""
+    if not isinstance(cfg, MilesConfig):
+        from miles.recipes.diffusion import dry_run_plan
+
+        print(dry_run_plan(cfg) + f"run directory: {run_dir}{resume}")  # noqa: T201 - CLI output
+        return 0
     print(launch_plan(cfg) + f"run directory: {run_dir}{resume}")  # noqa: T201 - CLI output
     return 0
 

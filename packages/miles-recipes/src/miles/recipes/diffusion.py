@@ -318,6 +318,45 @@ def _build_model(cfg: DiffusionConfig) -> FlowModel:
     )
 
 
+def dry_run_plan(cfg: DiffusionConfig) -> str:
+    """What ``miles train --dry-run`` says about a diffusion run, one line each: the processes, the model (and
+    whether its path is there), device and precision, the algorithm's batch, the loop. Reads config.json /
+    model_index.json files only; builds nothing."""
+    ranks = cfg.run.world_size
+    where = "in this process; it starts nothing else"
+    if ranks > 1:
+        per_rank = ", one GPU each" if cfg.model.device == "cuda" else ""
+        where = f"in {ranks} rank processes it spawns (FSDP2 over the transformer{per_rank}); nothing else"
+    path = Path(cfg.model.path).expanduser()
+    if cfg.model.path in (TINY_FLOW, TINY_SD3, TINY_QWEN_IMAGE):
+        model = f"{cfg.model.path} (random, built offline into the model cache)"
+    elif (path / FLOW_META).is_file():
+        model = f"{path} (a flow model a run saved)"
+    elif pipeline_class(path) is not None:
+        model = f"{path} (a diffusers {pipeline_class(path)})"
+    else:
+        model = f"{path} NOT FOUND here: miles train would stop; pass a local diffusers pipeline directory"
+    try:
+        device = str(resolve_device(cfg.model.device))
+    except ValueError:
+        device = f"{cfg.model.device} (no GPU visible here: miles train would stop)"
+    a = cfg.algorithm
+    trained = f"{a.train_steps} trained" if a.train_steps is not None else "all trained"
+    lora = f", LoRA r {a.lora.rank} on {len(a.lora.target_modules)} module names" if a.lora is not None else ""
+    evals = f"eval every {cfg.eval.interval}" if cfg.eval.interval else "no eval"
+    precision = f"trained float32, sampling copy {a.rollout_dtype}, text encoders and VAE {cfg.model.frozen_dtype}"
+    batch = f"{a.prompts_per_step} prompts x {a.group_size} images a step, {a.num_steps} denoising steps ({trained})"
+    every = cfg.loop.save_interval or cfg.loop.num_steps
+    lines = [
+        f"# miles train --dry-run: a {cfg.kind} run trains {where}",
+        f"model: {model}",
+        f"device: {device}; precision: {precision}",
+        f"algorithm: {a.loss}, {batch}{lora}",
+        f"loop: {cfg.loop.num_steps} steps, a checkpoint every {every}, {evals}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def resolve_device(device: str) -> torch.device:
     """``model.device`` as a torch device. Raises: ValueError for cuda without a visible GPU."""
     if device == "cuda" and not torch.cuda.is_available():
