@@ -222,3 +222,18 @@ def test_a_version_written_with_config_from_loads_as_an_hf_model(tmp_path, tiny_
     assert len(read_manifest(path).shards) > 1
     loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
     assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+
+
+def test_a_subdir_writes_each_version_in_a_pipelines_layout_and_keeps_the_newest(tmp_path):
+    # SGLang-Diffusion reads <model_path>/transformer/*.safetensors: the version directory is the model_path.
+    writer = DiskWeightWriter(tmp_path, keep=2, subdir="transformer")
+    for version in (1, 2, 3):
+        path = writer.write(_weights(version).items(), version=version)
+        assert path == tmp_path / f"v{version:06d}"
+        assert sorted(p.name for p in path.iterdir()) == ["transformer"]
+        assert sorted(p.name for p in (path / "transformer").iterdir()) == ["manifest.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000002", "v000003"]  # keep=2 counts subdir manifests
+    _assert_bit_identical(read_weights(tmp_path / "v000003" / "transformer"), _weights(3))
+    for bad in ("", "a/b", "..", "."):
+        with pytest.raises(ValueError, match="subdir is"):
+            DiskWeightWriter(tmp_path, subdir=bad)

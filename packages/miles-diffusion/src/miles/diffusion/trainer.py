@@ -41,7 +41,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -61,11 +61,15 @@ from miles.diffusion.sampler import (
     velocity,
     weight_dtype,
 )
+from miles.diffusion.sglang_api import RolloutSettings
 from miles.sync import InProcessTransport, WeightReceiver, WeightSender
 from miles.train.fsdp2.lora import adapter_dropout, adapters_disabled, apply_lora, full_tensor, merged_weights
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from miles.diffusion.sglang import SGLangDiffusionEngine, SGLangDiffusionWeightSink
 
 logger = logging.getLogger(__name__)
 
@@ -159,13 +163,22 @@ class FlowGRPOTrainer:
         bucket_bytes: ``miles.sync`` bucket size of the weight push.
         mesh: a 1-D data-parallel mesh (gloo on CPU, NCCL on GPU) of several ranks, each running this trainer with
             the same arguments and the same prompts each step (module docstring); None: one process.
+        engine: SGLang-Diffusion servers that sample the rollouts instead of the in-process copy
+            (``miles.diffusion.sglang``); one process only. With it flow_grpo's old log-probs default to the
+            trainer's recompute (``old_log_probs: auto``): the servers' kernels differ from the trainer's.
+        weight_sink: with ``engine``, what pushes each published version to its servers (``push(named_tensors, *,
+            version)``, ``SGLangDiffusionWeightSink``); the in-process copy gets every version too (evaluation and
+            checkpoints read it).
 
-    Raises: ValueError when the ranks cannot split each mini-batch equally (``rank_rows``), naming the settings.
+    Raises: ValueError when the ranks cannot split each mini-batch equally (``rank_rows``), naming the settings, or
+        for an engine without a weight sink or with several ranks.
 
     Attributes:
         policy: the trained transformer (with ``config.lora``: its adapters injected, peft); rollout_transformer: the
             sampling copy, a plain transformer loaded only through ``miles.sync``.
         receiver: the copy's ``WeightReceiver`` (``weight_version`` = the version it samples with).
+        recompute_old_log_probs: whether flow_grpo's old log-probs are the trainer's recompute (the config's
+            setting, auto resolved with the engine).
         steps_done: completed steps.
     """
 
@@ -177,9 +190,17 @@ class FlowGRPOTrainer:
         *,
         bucket_bytes: int = 64 * 2**20,
         mesh: DeviceMesh | None = None,
+        engine: SGLangDiffusionEngine | None = None,
+        weight_sink: SGLangDiffusionWeightSink | None = None,
     ) -> None:
         self.model, self.config, self.reward = model, config, reward
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
+        if engine is not None and (weight_sink is None or self.mesh is not None):
+            raise ValueError("an engine needs a weight sink and trains in one process (run.world_size 1)")
+        self.engine, self.weight_sink, self._image_size = engine, weight_sink, None
+        self.recompute_old_log_probs = config.recompute_old_log_probs or (
+            engine is not None and config.loss == "flow_grpo" and config.old_log_probs == "auto"
+        )
         self.rank, self.world_size = (mesh.get_local_rank(), mesh.size()) if self.mesh is not None else (0, 1)
         self._wire = _wire_device(self.mesh)
         try:
@@ -229,7 +250,10 @@ class FlowGRPOTrainer:
         Returns: the new weight version.
         """
         with torch.no_grad():
-            return self.sender.push(self._rollout_weights(everything=everything), version=version)
+            version = self.sender.push(self._rollout_weights(everything=everything), version=version)
+            if self.weight_sink is not None:  # the servers get what the copy got, as the same version
+                self.weight_sink.push(self._rollout_weights(everything=everything), version=version)
+            return version
 
     def _rollout_weights(self, *, everything: bool, trained: bool = False) -> Iterator[tuple[str, Tensor]]:
         """What the rollout copy samples with, as whole float32 tensors streamed one by one: the policy's weights
@@ -298,15 +322,23 @@ class FlowGRPOTrainer:
         everyone = [prompt for prompt in prompts for _ in range(cfg.group_size)]
         rows = self._rows(len(everyone))
         expanded = [everyone[i] for i in rows.tolist()]
-        cond, uncond = self._conditions(expanded)
-        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        trajectories = sample(
-            self.rollout_transformer, cond, latent_shape=self.model.latent_shape, num_steps=cfg.num_steps,
-            noise_level=cfg.noise_level, shift=cfg.shift, uncond=uncond, guidance_scale=cfg.guidance_scale,
-            generator=generator, rows=(len(everyone), rows) if self.mesh is not None else None, sigmas=self._sigmas(),
-        )  # fmt: skip
-        with torch.no_grad():
-            images = to_uint8(self.model.decode(trajectories.latents[:, -1]))
+        if self.engine is not None:
+            seeds = [((cfg.seed * 1_000_003 + step) * 4099 + i) % 2**31 for i in range(len(prompts))]
+            trajectories, images = self.engine.generate(
+                prompts, n=cfg.group_size, seeds=seeds, settings=self._engine_settings(),
+                latent_shape=self.model.latent_shape,
+            )  # fmt: skip
+        else:
+            cond, uncond = self._conditions(expanded)
+            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            trajectories = sample(
+                self.rollout_transformer, cond, latent_shape=self.model.latent_shape, num_steps=cfg.num_steps,
+                noise_level=cfg.noise_level, shift=cfg.shift, uncond=uncond, guidance_scale=cfg.guidance_scale,
+                generator=generator, rows=(len(everyone), rows) if self.mesh is not None else None,
+                sigmas=self._sigmas(),
+            )  # fmt: skip
+            with torch.no_grad():
+                images = to_uint8(self.model.decode(trajectories.latents[:, -1]))
         rewards = self._score_everywhere(expanded, images)
         all_rewards = self._gather_rows(rewards, len(everyone))
         group_index = torch.arange(len(prompts)).repeat_interleave(cfg.group_size)
@@ -314,6 +346,19 @@ class FlowGRPOTrainer:
         return Rollout(
             expanded, trajectories, images, rewards, advantages, self.receiver.weight_version, rows, all_rewards
         )
+
+    def _engine_settings(self) -> RolloutSettings:
+        """What each engine request asks for: the algorithm's steps, noise and guidance, the model's image size
+        (found once by decoding a zero latent)."""
+        cfg = self.config
+        if self._image_size is None:
+            with torch.no_grad():
+                device = next(self.policy.parameters()).device
+                self._image_size = tuple(self.model.decode(torch.zeros(1, *self.model.latent_shape, device=device))
+                                         .shape[-2:])  # fmt: skip
+        height, width = self._image_size
+        return RolloutSettings(cfg.num_steps, cfg.noise_level, cfg.guidance_scale, true_cfg=is_qwen_image(self.policy),
+                               width=width, height=height)  # fmt: skip
 
     def _rows(self, batch: int) -> Tensor:
         """This rank's rows of a batch of ``batch`` images (all of them on one process)."""
@@ -402,7 +447,7 @@ class FlowGRPOTrainer:
         cfg = self.config
         cond, uncond = self._conditions(rollout.prompts)
         sums: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0}
-        if cfg.recompute_old_log_probs:
+        if self.recompute_old_log_probs:
             rollout, sums["recompute_diff"] = self._recompute_old_log_probs(rollout, cond, uncond, step=step)
         applied = 0
         dropout = adapter_dropout(self.policy) if cfg.lora is not None else contextlib.nullcontext()

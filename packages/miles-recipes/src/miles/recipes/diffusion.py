@@ -21,6 +21,8 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -41,7 +43,9 @@ from miles.diffusion.models import (
     tiny_flow_model,
 )
 from miles.diffusion.rewards import IMAGE_REWARDS, ClipScore, prompt_colour
+from miles.diffusion.sglang import SGLangDiffusionEngine, SGLangDiffusionWeightSink
 from miles.diffusion.trainer import FlowGRPOTrainer, ImageReward, RewardFailed
+from miles.sync.errors import WeightUpdateError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 logger = logging.getLogger(__name__)
@@ -137,6 +141,24 @@ class FlowLoopConfig(_Section):
     keep_checkpoints: int = Field(2, ge=0, description="Checkpoints kept (0 = all).")
 
 
+class FlowEngineConfig(_Section):
+    """Who samples the rollouts."""
+
+    type: Literal["embedded", "sglang"] = Field("embedded", description="embedded: a copy of the transformer in the "
+                                                "trainer's process; sglang: SGLang-Diffusion servers (or miles "
+                                                "serve-diffusion) at engine.urls, through their /rollout/generate "
+                                                "and /update_weights_from_disk (one trainer process).")  # fmt: skip
+    urls: list[str] = Field(default_factory=list, description="sglang: the servers, http://host:port; each step's "
+                            "prompts go to them in turn. They serve the model the run trains.")  # fmt: skip
+    weights_dir: str = Field("", description="sglang: where each weight version is written for the servers to load "
+                             "(a path they see the same way; 2 versions stay); empty: a temporary directory, "
+                             "removed when the run ends (servers on this machine only).")  # fmt: skip
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="sglang: the servers' transformer dtype "
+                                                  "(pushed weights are checksummed in it).")  # fmt: skip
+    timeout_s: float = Field(600.0, gt=0, description="sglang: seconds one request (a prompt's group of images, "
+                             "or one weight load) may take.")  # fmt: skip
+
+
 class FlowRunConfig(_Section):
     """Outputs and process settings."""
 
@@ -159,6 +181,7 @@ class DiffusionConfig(_Section):
     data: PromptsConfig = Field(description="The training prompts.")
     eval: FlowEvalConfig = Field(default_factory=FlowEvalConfig, description="Held-out evaluation.")
     loop: FlowLoopConfig = Field(default_factory=FlowLoopConfig, description="Steps and checkpoints.")
+    engine: FlowEngineConfig = Field(default_factory=FlowEngineConfig, description="Who samples the rollouts.")
     run: FlowRunConfig = Field(default_factory=FlowRunConfig, description="Outputs and process settings.")
 
     @model_validator(mode="after")
@@ -170,6 +193,11 @@ class DiffusionConfig(_Section):
                 f"algorithm.updates_per_rollout ({algo.updates_per_rollout}) x run.world_size ({ranks}) equal parts: "
                 "each rank trains an equal part of every mini-batch"
             )
+        if self.engine.type == "sglang" and not self.engine.urls:
+            raise ValueError("engine.urls is empty: engine.type sglang samples on SGLang-Diffusion servers; give "
+                             "their addresses (--engine.urls http://127.0.0.1:30000)")  # fmt: skip
+        if self.engine.type == "sglang" and ranks > 1:
+            raise ValueError("engine.type sglang trains in one process: set run.world_size 1 (the servers sample)")
         return self
 
 
@@ -354,6 +382,10 @@ def dry_run_plan(cfg: DiffusionConfig) -> str:
         f"algorithm: {a.loss}, {batch}{lora}",
         f"loop: {cfg.loop.num_steps} steps, a checkpoint every {every}, {evals}",
     ]
+    if cfg.engine.type == "sglang":
+        weights = cfg.engine.weights_dir or "a temporary directory"
+        lines.insert(2, f"engine: SGLang-Diffusion API at {', '.join(cfg.engine.urls)} (started by you, not by miles "
+                        f"train); weight versions written to {weights}")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -408,8 +440,8 @@ def run_diffusion(
     in that many processes (``_run_ranks``).
 
     Raises: RunSetupError for a model or reward that cannot be built (nothing written yet); RunInputError when the
-    reward fails on the images; RunFailed when a rank dies; KeyboardInterrupt on a second Ctrl-C (the last
-    checkpoint stays).
+    reward fails on the images; RunFailed when a rank dies or an engine server fails or refuses a push;
+    KeyboardInterrupt on a second Ctrl-C (the last checkpoint stays).
     """
     if cfg.run.world_size > 1:
         return _run_ranks(cfg, run_dir, resume_from=resume_from, replace_existing=replace_existing)
@@ -430,6 +462,7 @@ def _train(
     from miles.recipes.checkpoint import restore_run_checkpoint, save_run_checkpoint, write_atomic
     from miles.recipes.interrupts import StopRequest
     from miles.recipes.run import (
+        RunFailed,
         RunInputError,
         RunResult,
         RunSetupError,
@@ -498,21 +531,33 @@ def _train(
             "loaded %s on %s: transformer %.2f M parameters, latents %s",
             cfg.model.path, device, sum(p.numel() for p in model.transformer.parameters()) / 1e6, model.latent_shape,
         )  # fmt: skip
-        if cfg.algorithm.rollout_dtype != "float32" or cfg.model.frozen_dtype != "float32":
-            logger.info(
-                "precision: the trained transformer float32, the sampling copy %s, text encoders and VAE %s; old "
-                "log-probs: %s", cfg.algorithm.rollout_dtype, cfg.model.frozen_dtype,
-                "the trainer's float32 recompute" if cfg.algorithm.recompute_old_log_probs else "the sampler's",
-            )  # fmt: skip
         if model.schedule is not None:
             logger.info(
                 "schedule: the pipeline's own (sigmas %s for %d steps); algorithm.shift is not used",
                 [round(float(s), 4) for s in model.schedule(cfg.algorithm.num_steps)], cfg.algorithm.num_steps,
             )  # fmt: skip
+        engine, sink = _engine(cfg) if cfg.engine.type == "sglang" else (None, None)
+
+        def close_engine() -> None:
+            if engine is not None:
+                engine.close()
+                if not cfg.engine.weights_dir:  # the temporary one: the servers hold the weights they loaded
+                    shutil.rmtree(sink.writer.root, ignore_errors=True)
+
         try:
-            trainer = FlowGRPOTrainer(model, cfg.algorithm, reward, mesh=mesh)
+            trainer = FlowGRPOTrainer(model, cfg.algorithm, reward, mesh=mesh, engine=engine, weight_sink=sink)
         except ValueError as err:  # algorithm.lora.target_modules that match nothing
+            close_engine()
             raise RunSetupError(" ".join(str(err).split())) from err
+        except WeightUpdateError as err:  # the first push: the servers are not there, or serve another model
+            close_engine()
+            raise RunSetupError(f"engine.urls: {err}") from err
+        if cfg.algorithm.rollout_dtype != "float32" or cfg.model.frozen_dtype != "float32" or engine is not None:
+            logger.info(
+                "precision: the trained transformer float32, the sampling copy %s, text encoders and VAE %s; old "
+                "log-probs: %s", cfg.algorithm.rollout_dtype, cfg.model.frozen_dtype,
+                "the trainer's float32 recompute" if trainer.recompute_old_log_probs else "the sampler's",
+            )  # fmt: skip
         if cfg.algorithm.lora is not None:
             lora, params = cfg.algorithm.lora, list(trainer.policy.named_parameters())
             adapters = sum(p.numel() for n, p in params if ".lora_" in n)
@@ -603,7 +648,10 @@ def _train(
             raise RunInputError(
                 f"reward.{'path' if cfg.reward.path else 'name'} ({cfg.reward.path or cfg.reward.name}): {err}"
             ) from err
+        except (ConnectionError, WeightUpdateError) as err:  # a server went away or refused a push mid-run
+            raise RunFailed(f"engine ({cfg.engine.type}) failed at step {step + 1}: {err}") from err
         finally:
+            close_engine()
             console.close()
             if jsonl is not None:
                 jsonl.close()
@@ -619,6 +667,19 @@ def _train(
         checkpoint=saved[-1] if saved else None,
         stopped_by=stopping if step < cfg.loop.num_steps else None,
     )
+
+
+def _engine(cfg: DiffusionConfig) -> tuple[SGLangDiffusionEngine, SGLangDiffusionWeightSink]:
+    """The SGLang-Diffusion servers of ``cfg.engine`` and the sink that pushes weights into them (not into the run
+    directory: nothing is written there before the run starts)."""
+    engine = SGLangDiffusionEngine(cfg.engine.urls, timeout_s=cfg.engine.timeout_s)
+    if cfg.engine.weights_dir:
+        root = Path(cfg.engine.weights_dir).expanduser().absolute()
+    else:
+        root = Path(tempfile.mkdtemp(prefix="miles-engine-weights-"))
+    sink = SGLangDiffusionWeightSink(engine, root=root, dtype=getattr(torch, cfg.engine.dtype))
+    logger.info("engine: SGLang-Diffusion API at %s; weight versions written to %s", ", ".join(engine.urls), root)
+    return engine, sink
 
 
 def _run_ranks(cfg: DiffusionConfig, run_dir: Path, *, resume_from: Path | None, replace_existing: bool):

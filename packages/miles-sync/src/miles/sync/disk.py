@@ -220,8 +220,13 @@ class DiskWeightWriter:
         config_from: an HF model directory whose ``config.json`` (and ``generation_config.json``) are copied
             into every version, so the version is a loadable checkpoint (SGLang's ``update_weights_from_disk``
             reads ``config.json``). None writes the weights and manifest only.
+        subdir: write a version's files (weights, manifest, configs) into this subdirectory of its directory,
+            ``<root>/v000007/<subdir>/``: a diffusers pipeline's layout, where SGLang-Diffusion's
+            ``update_weights_from_disk`` reads ``<model_path>/transformer/*.safetensors``. None: the version
+            directory itself.
 
-    Raises: ValueError for shard_bytes <= 0, keep < 1, or a ``config_from`` without config.json.
+    Raises: ValueError for shard_bytes <= 0, keep < 1, a ``config_from`` without config.json, or a ``subdir`` that
+        is not one plain name.
     """
 
     def __init__(
@@ -231,7 +236,10 @@ class DiskWeightWriter:
         shard_bytes: int = 4 * 2**30,
         keep: int = 2,
         config_from: str | Path | None = None,
+        subdir: str | None = None,
     ) -> None:
+        if subdir is not None and (not subdir or Path(subdir).name != subdir or subdir in {".", ".."}):
+            raise ValueError(f"subdir is {subdir!r}; it must be one directory name, e.g. 'transformer'")
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes is {shard_bytes}; it must be > 0 (4 * 2**30 is a good default)")
         if keep < 1:
@@ -243,6 +251,7 @@ class DiskWeightWriter:
         self.shard_bytes = shard_bytes
         self.keep = keep
         self.config_from = Path(config_from) if config_from is not None else None
+        self.subdir = subdir
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in [*self.root.glob(".tmp-v*"), *self.root.glob(".old-v*")]:
             logger.warning("removing %s, left by a writer that crashed", stale)
@@ -257,7 +266,7 @@ class DiskWeightWriter:
             version: the weight version, >= 1. An existing directory of that version (a push that failed after
                 writing, retried) is replaced, atomically as well.
 
-        Returns: the published version directory.
+        Returns: the published version directory (its files in ``<it>/<subdir>/`` with ``subdir``).
         Raises: ValueError for a version < 1, no tensors, a repeated name or a non-tensor (nothing is published);
             OSError from the filesystem (nothing is published, the temp directory is removed).
         """
@@ -268,12 +277,17 @@ class DiskWeightWriter:
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            manifest = self._write_files(tmp, named_tensors, version)
+            files = tmp / self.subdir if self.subdir is not None else tmp
+            files.mkdir(exist_ok=True)
+            manifest = self._write_files(files, named_tensors, version)
+            if files != tmp:
+                _fsync(tmp)
             self._publish(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        prune_versions(self.root, keep=self.keep, current=version, marker=MANIFEST)
+        marker = f"{self.subdir}/{MANIFEST}" if self.subdir is not None else MANIFEST
+        prune_versions(self.root, keep=self.keep, current=version, marker=marker)
         nbytes = sum(s.nbytes for s in manifest.shards)
         logger.debug(  # per step
             "wrote weights v%d to %s in %.2fs (%d tensors, %d shards, %.1f MiB)",
