@@ -115,9 +115,15 @@ class FlowModel:
     def cast_frozen(self, dtype: torch.dtype) -> FlowModel:
         """Cast the frozen parts (text encoders, VAE) to ``dtype`` in place, halving their memory in bfloat16;
         ``encode`` / ``decode`` still return float32. Returns self."""
-        for module in self.frozen:  # as torch casts: diffusers' ModelMixin.to warns about an empty keep-in-fp32 list
-            nn.Module.to(module, dtype)
+        for module in self.frozen:
+            cast_module(module, dtype)
         return self
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module`` to ``dtype`` in place, as ``torch.nn.Module.to`` casts: diffusers' ``ModelMixin.to`` warns about
+    modules to keep in float32, which SD3's and Qwen-Image's models do not have."""
+    nn.Module.to(module, dtype)
 
 
 def _pixels(latents: Tensor) -> Tensor:
@@ -283,14 +289,12 @@ def _nearest(size: int, multiple: int) -> str:
 def _pipeline_index(pipeline_dir: Path, class_name: str) -> dict:
     """``model_index.json`` of a diffusers pipeline directory of ``class_name``.
     Raises: ValueError when the directory holds another pipeline or none."""
-    index_path = pipeline_dir / "model_index.json"
-    index = json.loads(index_path.read_text()) if index_path.is_file() else {}
-    if index.get("_class_name") != class_name:
+    found = pipeline_class(pipeline_dir)
+    if found != class_name:
         raise ValueError(
-            f"{pipeline_dir} is not a diffusers {class_name} directory (model_index.json's _class_name is "
-            f"{index.get('_class_name')!r})"
+            f"{pipeline_dir} is not a diffusers {class_name} directory (model_index.json's _class_name is {found!r})"
         )
-    return index
+    return json.loads((pipeline_dir / "model_index.json").read_text())
 
 
 def pipeline_class(pipeline_dir: Path | str) -> str | None:

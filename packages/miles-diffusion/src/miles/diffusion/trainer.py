@@ -48,7 +48,7 @@ import torch
 from miles.core.algorithms.advantages import grpo_advantages
 from miles.diffusion.config import FlowGRPOConfig
 from miles.diffusion.flow_grpo import flow_grpo_loss, gaussian_kl
-from miles.diffusion.models import FlowModel
+from miles.diffusion.models import FlowModel, cast_module
 from miles.diffusion.nft import diffusion_nft_loss, forward_noised, old_policy_decay, optimality
 from miles.diffusion.rewards import to_uint8
 from miles.diffusion.sampler import (
@@ -123,12 +123,6 @@ def rank_rows(batch: int, updates: int, rank: int, world_size: int) -> Tensor:
     part = per_update // world_size
     starts = [u * per_update + rank * part for u in range(updates)]
     return torch.cat([torch.arange(start, start + part) for start in starts])
-
-
-def _cast(transformer: torch.nn.Module, dtype: torch.dtype) -> None:
-    """``transformer`` to ``dtype`` in place, as ``torch.nn.Module.to``: diffusers' ``ModelMixin.to`` warns about
-    modules to keep in float32, which SD3's and Qwen-Image's transformers do not have."""
-    torch.nn.Module.to(transformer, dtype)
 
 
 def shard_transformer(transformer: torch.nn.Module, mesh: DeviceMesh) -> None:
@@ -213,7 +207,7 @@ class FlowGRPOTrainer:
         self.policy = model.transformer.float().train()
         self.rollout_dtype = getattr(torch, config.rollout_dtype)
         self.rollout_transformer = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        _cast(self.rollout_transformer, self.rollout_dtype)
+        cast_module(self.rollout_transformer, self.rollout_dtype)
         self.reference = None  # the run's starting weights, for flow_grpo's KL (LoRA: the policy, adapters off)
         if config.lora is not None:
             apply_lora(self.policy, config.lora, key="algorithm.lora")
@@ -298,7 +292,7 @@ class FlowGRPOTrainer:
         """Convert the rollout copy to ``dtype`` in place (parameters keep their identity; buffers are replaced, so
         the name -> tensor map the weight receiver loads into is rebuilt)."""
         if weight_dtype(self.rollout_transformer) != dtype:
-            _cast(self.rollout_transformer, dtype)
+            cast_module(self.rollout_transformer, dtype)
             self._rollout_tensors = dict(self.rollout_transformer.state_dict(keep_vars=True))
 
     def _sigmas(self) -> Tensor | None:
@@ -479,16 +473,23 @@ class FlowGRPOTrainer:
         steps = sorted({i for update in range(cfg.updates_per_rollout) for i in self._train_steps(step, update)})
         log_probs = traj.log_probs.clone()
         kwargs = dict(noise_level=cfg.noise_level, guidance_scale=cfg.guidance_scale)
-        for start in range(0, len(rollout.prompts), cfg.micro_batch_size):
-            rows = slice(start, min(start + cfg.micro_batch_size, len(rollout.prompts)))
-            mb_traj = Trajectories(traj.latents[rows], traj.sigmas, traj.log_probs[rows])
-            mb_uncond = uncond.rows(rows) if uncond is not None else None
+        for rows, mb_traj, mb_cond, mb_uncond in self._micro_batches(traj, cond, uncond, 0, len(rollout.prompts)):
             for i in steps:
-                log_probs[rows, i] = step_transition(self.policy, mb_traj, cond.rows(rows), i, uncond=mb_uncond,
+                log_probs[rows, i] = step_transition(self.policy, mb_traj, mb_cond, i, uncond=mb_uncond,
                                                      **kwargs).log_prob  # fmt: skip
         gap = float((log_probs[:, steps] - traj.log_probs[:, steps]).abs().max()) if steps else 0.0
         recomputed = Trajectories(traj.latents, traj.sigmas, log_probs)
         return dataclasses.replace(rollout, trajectories=recomputed), gap
+
+    def _micro_batches(
+        self, traj: Trajectories, cond: Conditioning, uncond: Conditioning | None, start: int, stop: int
+    ) -> Iterator[tuple[slice, Trajectories, Conditioning, Conditioning | None]]:
+        """Rows ``start:stop`` in micro-batches of ``micro_batch_size``: (rows, their trajectories, conditioning,
+        unconditioning)."""
+        for first in range(start, stop, self.config.micro_batch_size):
+            rows = slice(first, min(first + self.config.micro_batch_size, stop))
+            mb_uncond = uncond.rows(rows) if uncond is not None else None
+            yield rows, Trajectories(traj.latents[rows], traj.sigmas, traj.log_probs[rows]), cond.rows(rows), mb_uncond
 
     def _update(
         self,
@@ -508,11 +509,8 @@ class FlowGRPOTrainer:
         traj = rollout.trajectories
         steps = self._train_steps(step, update)
         loss_total = 0.0
-        for start in range(update * per_update, (update + 1) * per_update, cfg.micro_batch_size):
-            rows = slice(start, min(start + cfg.micro_batch_size, (update + 1) * per_update))
-            mb_traj = Trajectories(traj.latents[rows], traj.sigmas, traj.log_probs[rows])
-            mb_cond = cond.rows(rows)
-            mb_uncond = uncond.rows(rows) if uncond is not None else None
+        micro_batches = self._micro_batches(traj, cond, uncond, update * per_update, (update + 1) * per_update)
+        for rows, mb_traj, mb_cond, mb_uncond in micro_batches:
             weight = (rows.stop - rows.start) / per_update
             for i in steps:  # one backward per denoising step: activations of one step at a time
                 noise_rows = rollout.rows[rows] - update * batch_rows  # rows of the mini-batch: NFT's noise

@@ -314,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dry_run(cfg: Any, run_dir: Path, checkpoint: Path | None) -> int:
     """``miles train --dry-run``: print the launch plan (``miles.recipes.plan``) of an LLM run, then where it would
-    write and what it would resume from; a diffusion run (one process, or its ranks) is said in one line. Nothing is
-    locked, created or started."""
+    write and what it would resume from; a diffusion run's plan is ``miles.recipes.diffusion.dry_run_plan``. Nothing
+    is locked, created or started."""
     from miles.recipes.config import MilesConfig
     from miles.recipes.plan import launch_plan
 
