@@ -1,6 +1,6 @@
 """The ``miles`` command: ``miles train --recipe NAME [--section.key value ...]``, ``miles train --resume [PATH]``,
 ``miles export --checkpoint DIR --out DIR``, ``miles recipes list``, ``miles config show NAME``,
-``miles serve --model PATH [--port N ...]``."""
+``miles serve --model PATH [--port N ...]``, ``miles serve-diffusion --model NAME_OR_DIR [--port N ...]``."""
 
 from __future__ import annotations
 
@@ -247,11 +247,22 @@ def main(argv: list[str] | None = None) -> int:
         help="serve a model with the embedded engine behind SGLang's HTTP API (miles serve --help)",
         add_help=False,
     )
+    # Its options are miles.recipes.serve_diffusion's own (miles serve-diffusion --help), handed over unparsed.
+    sub.add_parser(
+        "serve-diffusion",
+        help="serve a text-to-image flow model behind SGLang-Diffusion's post-training HTTP API "
+        "(miles serve-diffusion --help)",
+        add_help=False,
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         from miles.rollout.serve import main as serve
 
         return serve(rest)
+    if args.command == "serve-diffusion":
+        from miles.recipes.serve_diffusion import main as serve_diffusion
+
+        return serve_diffusion(rest)
     _setup_logging()
 
     from miles.recipes.registry import recipe_description, recipe_names, tiny_recipe_names

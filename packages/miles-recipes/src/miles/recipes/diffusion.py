@@ -301,33 +301,42 @@ def build_reward(cfg: DiffusionConfig, device: torch.device | str = "cpu") -> Im
 
 
 def build_model(cfg: DiffusionConfig) -> FlowModel:
-    """The flow model of ``cfg.model``, its frozen parts in ``model.frozen_dtype``. Raises: ValueError naming
-    model.path when it is none of the kinds it takes."""
+    """The flow model of ``cfg.model`` (``build_flow_model``)."""
+    return build_flow_model(cfg.model)
+
+
+def build_flow_model(section: FlowModelConfig, *, path_key: str = "model.path") -> FlowModel:
+    """The flow model ``section`` names, its frozen parts in ``frozen_dtype``.
+
+    Args: section: the model's settings; path_key: how errors name ``section.path`` (``--model`` for
+        ``miles serve-diffusion``).
+    Raises: ValueError naming ``path_key`` when the path is none of the kinds it takes.
+    """
     try:
-        model = _build_model(cfg)
+        model = _build_model(section, path_key)
     except ValueError as err:  # a pipeline builder's argument: name the config key and its flag
         for key in ("resolution", "max_sequence_length"):
             if str(err).startswith(f"{key} "):
                 flag = key.replace("_", "-")
                 raise ValueError(f"model.{key} [--model.{flag}]: {str(err).removeprefix(key + ' ')}") from None
         raise
-    return model.cast_frozen(getattr(torch, cfg.model.frozen_dtype))
+    return model.cast_frozen(getattr(torch, section.frozen_dtype))
 
 
-def _build_model(cfg: DiffusionConfig) -> FlowModel:
-    if cfg.model.path == TINY_FLOW:
-        return tiny_flow_model(seed=cfg.model.seed)
-    sizes = dict(resolution=cfg.model.resolution, max_sequence_length=cfg.model.max_sequence_length)
-    if cfg.model.path == TINY_SD3:
+def _build_model(section: FlowModelConfig, path_key: str) -> FlowModel:
+    if section.path == TINY_FLOW:
+        return tiny_flow_model(seed=section.seed)
+    sizes = dict(resolution=section.resolution, max_sequence_length=section.max_sequence_length)
+    if section.path == TINY_SD3:
         from miles.recipes.models.tiny_sd3 import ensure_tiny_sd3
 
         return sd3_flow_model(ensure_tiny_sd3(), **sizes)
-    if cfg.model.path == TINY_QWEN_IMAGE:
+    if section.path == TINY_QWEN_IMAGE:
         from miles.recipes.models.tiny_qwen_image import RESOLUTION, ensure_tiny_qwen_image
 
         return qwen_image_flow_model(ensure_tiny_qwen_image(), **(sizes | {"resolution": sizes["resolution"] or
                                                                           RESOLUTION}))  # fmt: skip
-    path = Path(cfg.model.path).expanduser()
+    path = Path(section.path).expanduser()
     if (path / FLOW_META).is_file():
         return load_flow_model(path)
     kind = pipeline_class(path)
@@ -336,11 +345,11 @@ def _build_model(cfg: DiffusionConfig) -> FlowModel:
             return build(path, **sizes)
     if kind is not None:
         raise ValueError(
-            f"model.path {cfg.model.path!r} holds a diffusers {kind}; Miles trains StableDiffusion3Pipeline (SD3, "
+            f"{path_key} {section.path!r} holds a diffusers {kind}; Miles trains StableDiffusion3Pipeline (SD3, "
             "SD3.5) and QwenImagePipeline (Qwen-Image) directories"
         )
     raise ValueError(
-        f"model.path {cfg.model.path!r} is neither {TINY_FLOW!r}, {TINY_SD3!r}, {TINY_QWEN_IMAGE!r}, a diffusers "
+        f"{path_key} {section.path!r} is neither {TINY_FLOW!r}, {TINY_SD3!r}, {TINY_QWEN_IMAGE!r}, a diffusers "
         f"StableDiffusion3Pipeline or QwenImagePipeline directory (model_index.json) nor a flow model a run saved "
         f"({FLOW_META}); Miles does not download models"
     )
