@@ -31,6 +31,8 @@ def test_a_tensor_travels_bit_exact_as_sglangs_serialized_dict(dtype):
     back = decode_tensor(wire, field="x")
     assert back.dtype == dtype and torch.equal(back, tensor.t())
     assert torch.equal(decode_tensor(wire["data"], field="x"), tensor.t())  # older servers: a bare base64 string
+    raw = {**wire, "data": base64.b64decode(wire["data"])}  # a msgpack answer: the blob as bytes
+    assert torch.equal(decode_tensor(raw, field="x"), tensor.t())
 
 
 def test_a_field_that_is_no_tensor_is_named():

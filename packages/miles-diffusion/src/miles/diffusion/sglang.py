@@ -86,6 +86,10 @@ class SGLangDiffusionEngine:
             raise ConnectionError(f"{url}{path}: {type(err).__name__}: {err} (is the server up?)") from None
         if response.status_code != 200:
             raise ConnectionError(_server_error(url, path, response))
+        if "msgpack" in response.headers.get("content-type", ""):  # newer SGLang-Diffusion answers rollouts so
+            import msgpack
+
+            return msgpack.unpackb(response.content)
         return response.json()
 
     def generate(

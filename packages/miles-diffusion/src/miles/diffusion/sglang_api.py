@@ -49,13 +49,16 @@ def encode_tensor(tensor: Tensor) -> dict[str, Any]:
 
 
 def decode_tensor(value: Any, *, field: str) -> Tensor:
-    """The tensor an ``encode_tensor`` dict carries (a bare base64 string, as older SGLang-Diffusion sent, too).
+    """The tensor an ``encode_tensor`` dict carries (also a bare base64 string, as older SGLang-Diffusion sent, or
+    raw safetensors bytes in a msgpack answer).
 
     Raises: ValueError naming ``field`` when ``value`` is neither, or its data is not a safetensors blob.
     """
     from safetensors.torch import load
 
     data = value.get("data") if isinstance(value, dict) and value.get("__tensor__") else value
+    if isinstance(data, bytes):  # a msgpack answer may carry the safetensors blob as raw bytes
+        data = base64.b64encode(data).decode("ascii")
     if not isinstance(data, str):
         raise ValueError(f"{field}: expected a serialized tensor ({{'__tensor__': true, 'data': ...}}), got "
                          f"{type(value).__name__}")  # fmt: skip
