@@ -95,8 +95,8 @@ def test_a_push_the_server_loads_otherwise_fails_naming_the_server_and_what_diff
     named = tiny_flow_model(seed=0).transformer.state_dict()
     # The sink checksums bfloat16 tensors; the server casts them to its float32 transformer: the checker sees it.
     sink = SGLangDiffusionWeightSink(engine, root=tmp_path / "a", dtype=torch.bfloat16)
-    with pytest.raises(WeightUpdateError, match=rf"^weights v1: {server.url}/update_weights_from_tensor_checker answered 400: "
-                       r"Module 'transformer' update weight check failed: checksum mismatch"):  # fmt: skip
+    checked = rf"^weights v1: {server.url}/update_weights_from_tensor_checker answered 400: Module 'transformer' "
+    with pytest.raises(WeightUpdateError, match=checked + "update weight check failed: checksum mismatch"):
         sink.push(named.items())
     assert sink.version == 0
     sink = SGLangDiffusionWeightSink(engine, root=tmp_path / "b")
