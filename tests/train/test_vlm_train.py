@@ -130,6 +130,21 @@ def test_a_frozen_vision_tower_stays_as_loaded_while_the_language_model_trains(t
     assert sum(1 for k, _ in backend.export_weights() if k.startswith("model.visual.")) > 0  # still pushed
 
 
+def test_freezing_kimi_k25s_vision_tower_freezes_its_projector_too(tmp_path):
+    """Kimi K2.5's projector (``mm_projector``) is a sibling of its tower, not inside it as Qwen-VL's merger is."""
+    from miles.recipes.models.tiny import ensure_tiny
+
+    backend = _backend(ensure_tiny("kimi-k2.5", tmp_path), freeze_vision_tower=True)
+    frozen = ("model.vision_tower.", "model.mm_projector.")
+    params = dict(backend.model.named_parameters())
+    assert {n.split(".")[1] for n, p in params.items() if not p.requires_grad} == {"vision_tower", "mm_projector"}
+    assert all(p.requires_grad for n, p in params.items() if n.startswith("model.language_model."))
+    assert {k.split(".")[1] for k, _ in backend.export_weights() if k.startswith(frozen)} == {  # still pushed
+        "vision_tower",
+        "mm_projector",
+    }
+
+
 def test_the_packed_layout_gives_the_padded_log_probs_with_images_and_text_rows(tiny_vlm_dir, rollout):
     """Packed rows keep each sample's multimodal RoPE positions (computed on the row alone) behind text positions
     that restart per row; a text-only row packs beside image rows."""

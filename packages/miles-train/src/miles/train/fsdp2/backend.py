@@ -108,8 +108,9 @@ class FSDP2Backend:
         model = load_policy_model(model_path, dtype=torch.float32)
         model.config.use_cache = False
         _packed_attention(model, train.batch_layout)
-        if train.freeze_vision_tower and (tower := vision_tower(model)) is not None:
-            tower.requires_grad_(False)  # before the optimizer, which then never sees its parameters
+        if train.freeze_vision_tower:
+            for module in vision_modules(model):
+                module.requires_grad_(False)  # before the optimizer, which then never sees its parameters
         if train.lora is not None:
             apply_lora(model, train.lora)
         if train.qat != "none":
@@ -486,14 +487,17 @@ class FSDP2Backend:
                 )
 
 
-def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The vision tower of an HF vision-language model (Qwen-VL's ``model.visual``, with its patch merger; LLaVA /
-    SmolVLM's ``vision_tower`` / ``vision_model``), None for a text model."""
+def vision_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The vision tower of an HF vision-language model and the projector into the language model where it is a
+    sibling module (Qwen-VL's ``model.visual`` holds its patch merger; LLaVA's ``vision_tower`` has
+    ``multi_modal_projector`` beside it, SmolVLM's ``vision_model`` a ``connector``, Kimi K2.5's ``vision_tower`` an
+    ``mm_projector``); [] for a text model."""
     inner = getattr(model, "model", model)
     for name in ("visual", "vision_tower", "vision_model"):
         if isinstance(tower := getattr(inner, name, None), torch.nn.Module):
-            return tower
-    return None
+            projectors = (getattr(inner, p, None) for p in ("multi_modal_projector", "connector", "mm_projector"))
+            return [tower, *(p for p in projectors if isinstance(p, torch.nn.Module))]
+    return []
 
 
 def _packed_attention(model: torch.nn.Module, batch_layout: str) -> None:
