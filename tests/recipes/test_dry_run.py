@@ -18,6 +18,7 @@ VLLM_PYTHON = ["--engine.python", "/opt/vllm/bin/python"]  # else the machine's 
 CASES = {
     "qwen3_30b_a3b_grpo_gsm8k": ("qwen3_30b_a3b_grpo_gsm8k", MODEL),
     "kimi_k2_grpo_gsm8k": ("kimi_k2_grpo_gsm8k", MODEL),
+    "kimi_k2_5_grpo_gsm8k": ("kimi_k2_5_grpo_gsm8k", MODEL),
     "glm_5_grpo_gsm8k": ("glm_5_grpo_gsm8k", MODEL),
     "glm_5_1_grpo_gsm8k": ("glm_5_1_grpo_gsm8k", MODEL),
     "deepseek_v4_flash_grpo_gsm8k": ("deepseek_v4_flash_grpo_gsm8k", MODEL),

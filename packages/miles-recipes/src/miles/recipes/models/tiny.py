@@ -14,7 +14,12 @@ The vision-language twin (``qwen3-vl``, transformers' ``qwen3_vl``) adds a 2-blo
 merged into one token, DeepStack features from block 1) to a Qwen3 text model, SmolLM2's tokenizer with Qwen-VL's
 vision tokens added (``<|vision_start|>``, ``<|image_pad|>``, ...), a ChatML chat template that renders an image part
 as ``<|vision_start|><|image_pad|><|vision_end|>`` (as Qwen3-VL's does), and Qwen-VL's image processor sized for
-small pictures (32 x 32 to 64 x 64 pixels: a 64 px image becomes 4 tokens).
+small pictures (32 x 32 to 64 x 64 pixels: a 64 px image becomes 4 tokens). The Qwen3.5 and Kimi K2.5 twins (Kimi
+K2.5 / K2.6: transformers' ``kimi_k25``, a 2-layer MoonViT-style tower and ``mm_projector`` over the DeepSeek-V3
+twin's language model) carry the same tokens, template and image processor; their recipes train on text. Kimi's
+own tokenizer (tiktoken, remote code) and image processor (torchvision) are not available offline, and Miles' image
+inputs (``pixel_values`` [P, D]) are not the [P, 3, p, p] patches Kimi's tower takes: image prompts on that twin are
+not supported.
 
 Each twin is built once into the model cache (``default_cache_dir()/tiny-<family>-v1``) and published by an atomic
 rename; ``miles train --recipe NAME --tiny`` (the recipe's ``tiny`` section) and ``--models.policy.path
@@ -48,15 +53,16 @@ _MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
 _MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
             v_head_dim=8)  # fmt: skip
 _DEEPSEEK_ROUTER = dict(n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1)
+_DEEPSEEK_V3 = dict(**_MLA, **_MOE, **_DEEPSEEK_ROUTER, routed_scaling_factor=2.5)  # also Kimi K2.5's language model
 # Qwen3.5's hybrid layout at 3 layers: Gated DeltaNet linear attention, then gated full attention (3:1 in the models)
 _QWEN3_5 = dict(num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
                 linear_num_key_heads=2, linear_num_value_heads=4,
                 layer_types=["linear_attention", "linear_attention", "full_attention"],
                 rope_parameters=dict(rope_type="default", partial_rotary_factor=0.25, mrope_section=[1, 1, 0],
                                      mrope_interleaved=True))  # fmt: skip
-# Vision-language twins: the released checkpoints of these families hold a vision tower (Qwen3.5 and Qwen3.6 are
-# natively multimodal), so their twins do too; text recipes train them on text prompts.
-VISION_MODEL_TYPES = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
+# Vision-language twins: the released checkpoints of these families hold a vision tower (Qwen3.5, Qwen3.6 and Kimi
+# K2.5 are natively multimodal), so their twins do too; text recipes train them on text prompts.
+VISION_MODEL_TYPES = ("qwen3_vl", "qwen3_5", "qwen3_5_moe", "kimi_k25")
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,13 @@ _VISION = dict(
     deepstack_visual_indexes=[1],
 )
 _QWEN3_5_VISION = {k: v for k, v in _VISION.items() if k != "deepstack_visual_indexes"}  # no DeepStack in Qwen3.5
+# Kimi K2.5's MoonViT-style tower (kimi_k25_vision: learned 2-D position grid, 2 x 2 patch merger, then a projector
+# into the DeepSeek-V3 language model), at the same toy sizes
+_KIMI_K25_VISION = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                        patch_size=16, pos_emb_height=4, pos_emb_width=4, merge_kernel_size=[2, 2])  # fmt: skip
+_VISION_CONFIGS = {"qwen3_vl": _VISION, "qwen3_5": _QWEN3_5_VISION, "qwen3_5_moe": _QWEN3_5_VISION,
+                   "kimi_k25": _KIMI_K25_VISION}  # fmt: skip
+_VISION_EXTRA = {"kimi_k25": dict(projection_hidden_size=_KIMI_K25_VISION["hidden_size"])}  # the projector's norm
 IMAGE_PROCESSOR = dict(patch_size=16, merge_size=2, temporal_patch_size=2,
                         size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})  # fmt: skip
 # ChatML as SmolLM2's, with Qwen-VL's rendering of image parts (no default system prompt, as Qwen's).
@@ -116,8 +129,13 @@ FAMILIES: dict[str, TinyFamily] = {
     ),
     "deepseek-v3": TinyFamily(
         "deepseek_v3",
-        dict(**_MLA, **_MOE, **_DEEPSEEK_ROUTER, routed_scaling_factor=2.5),
+        dict(_DEEPSEEK_V3),
         "DeepSeek-V3 / Kimi K2 (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct)",
+    ),
+    "kimi-k2.5": TinyFamily(
+        "kimi_k25",
+        dict(_DEEPSEEK_V3),
+        "Kimi K2.5 / K2.6 (moonshotai/Kimi-K2.5, moonshotai/Kimi-K2.6; kimi_k25: a vision tower over deepseek_v3)",
     ),
     "glm-5": TinyFamily(
         "glm_moe_dsa",
@@ -193,7 +211,8 @@ def tiny_config(family: str, tokenizer: Any, *, text_overrides: dict[str, Any] |
         return AutoConfig.for_model(
             spec.model_type,
             text_config=text,
-            vision_config=_VISION if spec.model_type == "qwen3_vl" else _QWEN3_5_VISION,
+            vision_config=_VISION_CONFIGS[spec.model_type],
+            **_VISION_EXTRA.get(spec.model_type, {}),
             image_token_id=ids["<|image_pad|>"],
             video_token_id=ids["<|video_pad|>"],
             vision_start_token_id=ids["<|vision_start|>"],
