@@ -169,6 +169,20 @@ def test_a_vision_language_checkpoint_takes_vllm_unless_its_prompts_may_carry_im
     _check_vision_model(resolve_config("qwen3_5_35b_a3b_grpo_gsm8k", ranks, tiny=True), ensure_tiny("qwen3.5-moe"))
 
 
+def test_kimi_k2_5_trains_on_text_prompts_and_refuses_image_prompts_in_one_line():
+    """Kimi K2.5's MoonViT takes [P, 3, p, p] pixel patches, not the [P, D] rows Miles renders: its recipe trains on
+    text (GSM8K), and prompts that may carry images stop the run before anything starts."""
+    from miles.recipes.models.tiny import ensure_tiny
+    from miles.recipes.run import RunSetupError, _check_vision_model
+
+    path = ensure_tiny("kimi-k2.5")
+    _check_vision_model(resolve_config("kimi_k2_5_grpo_gsm8k", [], tiny=True), path)
+    visual = ["--data.source", "custom", "--data.source-path", "miles.rollout.data.visual_tasks:build_source", *MATH]
+    with pytest.raises(RunSetupError, match=r"\(kimi_k25\) that Miles trains on text prompts only: .* drop "
+                       r"data.image_key"):  # fmt: skip
+        _check_vision_model(resolve_config("kimi_k2_5_grpo_gsm8k", visual, tiny=True), path)
+
+
 @pytest.mark.slow
 def test_image_prompts_go_to_a_miles_serve_server_as_input_ids_and_image_data(tmp_path, monkeypatch):
     """The SGLang-API path: the client sends the expanded input_ids and the images' files (image_data); `miles serve`

@@ -1089,12 +1089,18 @@ def _may_feed_images(cfg: MilesConfig) -> bool:
     return any(_data_field(s, "image_key") or _data_field(s, "source") == "custom" for s in _data_sections(cfg))
 
 
+TEXT_ONLY_VISION_TYPES = ("kimi_k25",)
+"""Vision-language model types whose towers take pixels as [P, 3, p, p] patches (Kimi K2.5's MoonViT), not the
+[P, D] rows Miles' Qwen-VL-style rendering gives: trained on text prompts only (the tower frozen or not)."""
+
+
 def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = True) -> None:
     """Refuse, in one line, what vision-language policies do not run with yet: vLLM servers when the prompts may
     carry images, except Qwen3-VL and Qwen2-VL (``vllm_images.IMAGE_MODEL_TYPES``) with full-weight updates through
     the weight group (SGLang-API servers take them as image_data; text-only runs of a vision-language checkpoint, as
     Qwen3.5's, use any engine), SFT rollouts and agent plugins (their renderers do not carry images; multi-turn tool
-    calling does), a critic (no token-classification head for VLMs), and a text-only reference or teacher. The
+    calling does), a critic (no token-classification head for VLMs), a text-only reference or teacher, and image
+    prompts for ``TEXT_ONLY_VISION_TYPES`` (Kimi K2.5). The
     Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json files alone,
     before anything starts."""
     from miles.core.multimodal import is_multimodal_config
@@ -1115,6 +1121,12 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
         return
     where = f"models.policy.path ({model_path}) is a vision-language model"
     images = _may_feed_images(cfg)
+    if images and config.model_type in TEXT_ONLY_VISION_TYPES:
+        raise RunSetupError(
+            f"{where} ({config.model_type}) that Miles trains on text prompts only: its tower takes another pixel "
+            "layout than Miles' image processing renders; drop data.image_key (and the visual task), or use a "
+            "Qwen-VL family model for image prompts"
+        )
     if cfg.engine.type == "vllm" and images:
         from miles.rollout.engines.vllm_images import IMAGE_MODEL_TYPES
 
