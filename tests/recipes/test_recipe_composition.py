@@ -18,6 +18,7 @@ NESTED_ONLY = {
     "qwen3_30b_a3b_grpo_gsm8k",  # the frontier recipes, composed from bases/ (tests/recipes/test_tiny_twins.py)
     "kimi_k2_grpo_gsm8k",
     "kimi_k2_5_grpo_gsm8k",
+    "kimi_k2_6_grpo_gsm8k",
     "glm_5_grpo_gsm8k",
     "glm_5_1_grpo_gsm8k",
     "deepseek_v4_flash_grpo_gsm8k",

@@ -15,6 +15,7 @@ FRONTIER = {  # recipe: (GPU model, twin, the twin's backend, model base, batch 
     "qwen3_30b_a3b_grpo_gsm8k": ("Qwen/Qwen3-30B-A3B", "tiny-qwen3-moe", "fsdp2", "qwen3_moe", "packed"),
     "kimi_k2_grpo_gsm8k": ("moonshotai/Kimi-K2-Instruct", "tiny-deepseek-v3", "megatron", "kimi_k2", "packed"),
     "kimi_k2_5_grpo_gsm8k": ("moonshotai/Kimi-K2.5", "tiny-kimi-k2.5", "fsdp2", "kimi_k2_5", "packed"),
+    "kimi_k2_6_grpo_gsm8k": ("moonshotai/Kimi-K2.6", "tiny-kimi-k2.5", "fsdp2", "kimi_k2_6", "packed"),  # K2.5's
     "glm_5_grpo_gsm8k": ("zai-org/GLM-5", "tiny-glm-5", "fsdp2", "glm_5", "packed"),
     "glm_5_1_grpo_gsm8k": ("zai-org/GLM-5.1", "tiny-glm-5", "fsdp2", "glm_5_1", "packed"),  # GLM-5's architecture
     "deepseek_v4_flash_grpo_gsm8k": (
@@ -24,7 +25,7 @@ FRONTIER = {  # recipe: (GPU model, twin, the twin's backend, model base, batch 
     "qwen3_6_35b_a3b_grpo_gsm8k": ("Qwen/Qwen3.6-35B-A3B", "tiny-qwen3.5-moe", "fsdp2", "qwen3_6_moe", "padded"),
     "qwen3_5_27b_grpo_gsm8k": ("Qwen/Qwen3.5-27B", "tiny-qwen3.5", "fsdp2", "qwen3_5", "padded"),
 }  # fmt: skip
-SAME_TWIN = {"glm_5_1_grpo_gsm8k", "qwen3_6_35b_a3b_grpo_gsm8k"}  # their twins' loops run for another recipe
+SAME_TWIN = {"glm_5_1_grpo_gsm8k", "qwen3_6_35b_a3b_grpo_gsm8k", "kimi_k2_6_grpo_gsm8k"}  # their twins' loops run for another recipe
 DENSE = {"qwen3_5_27b_grpo_gsm8k"}  # no routing replay
 MODEL_TYPES = {"qwen3": "qwen3", "qwen3-moe": "qwen3_moe", "deepseek-v3": "deepseek_v3", "glm-5": "glm_moe_dsa",
                "qwen3.5": "qwen3_5", "qwen3.5-moe": "qwen3_5_moe", "deepseek-v4": "deepseek_v4",
@@ -120,7 +121,7 @@ def test_frontier_recipes_validate_for_gpus_and_as_tiny_twins(name):
     assert (
         gpu.train.freeze_vision_tower
         == tiny.train.freeze_vision_tower
-        == name.startswith(("qwen3_5", "qwen3_6", "kimi_k2_5"))
+        == name.startswith(("qwen3_5", "qwen3_6", "kimi_k2_5", "kimi_k2_6"))
     )
     assert (tiny.data.source, tiny.loop.num_steps, tiny.rollout.rollout_batch_size) == ("reasoning_gym", 2, 2)
     assert tiny.algorithm.loss.clip_high == gpu.algorithm.loss.clip_high == 0.28  # the algorithm base, unchanged
