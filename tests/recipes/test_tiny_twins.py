@@ -25,7 +25,8 @@ FRONTIER = {  # recipe: (GPU model, twin, the twin's backend, model base, batch 
     "qwen3_6_35b_a3b_grpo_gsm8k": ("Qwen/Qwen3.6-35B-A3B", "tiny-qwen3.5-moe", "fsdp2", "qwen3_6_moe", "padded"),
     "qwen3_5_27b_grpo_gsm8k": ("Qwen/Qwen3.5-27B", "tiny-qwen3.5", "fsdp2", "qwen3_5", "padded"),
 }  # fmt: skip
-SAME_TWIN = {"glm_5_1_grpo_gsm8k", "qwen3_6_35b_a3b_grpo_gsm8k", "kimi_k2_6_grpo_gsm8k"}  # their twins' loops run for another recipe
+# their twins' loops run for another recipe
+SAME_TWIN = {"glm_5_1_grpo_gsm8k", "qwen3_6_35b_a3b_grpo_gsm8k", "kimi_k2_6_grpo_gsm8k"}
 DENSE = {"qwen3_5_27b_grpo_gsm8k"}  # no routing replay
 MODEL_TYPES = {"qwen3": "qwen3", "qwen3-moe": "qwen3_moe", "deepseek-v3": "deepseek_v3", "glm-5": "glm_moe_dsa",
                "qwen3.5": "qwen3_5", "qwen3.5-moe": "qwen3_5_moe", "deepseek-v4": "deepseek_v4",
