@@ -83,7 +83,8 @@ class SGLangDiffusionEngine:
         try:
             response = self.client.post(url + path, json=body)
         except httpx.HTTPError as err:
-            raise ConnectionError(f"{url}{path}: {type(err).__name__}: {err} (is the server up?)") from None
+            reason = str(err).rstrip(".")
+            raise ConnectionError(f"{url}{path}: {type(err).__name__}: {reason} (is the server up?)") from None
         if response.status_code != 200:
             raise ConnectionError(_server_error(url, path, response))
         if "msgpack" in response.headers.get("content-type", ""):  # newer SGLang-Diffusion answers rollouts so
@@ -208,7 +209,11 @@ class SGLangDiffusionWeightSink:
                 try:
                     answer = self.engine._post(url, endpoint, body)
                 except ConnectionError as err:
-                    raise WeightUpdateError(f"weights v{version}: {err}") from None
+                    hint = ""
+                    if "checksum mismatch" in str(err) and self.dtype is not None:
+                        hint = f" (the checksums were taken in {str(self.dtype).removeprefix('torch.')}: is that the "
+                        hint += "servers' transformer dtype? engine.dtype)"
+                    raise WeightUpdateError(f"weights v{version}: {err}{hint}") from None
                 if not answer.get("success", False):
                     raise WeightUpdateError(f"weights v{version}: {url}{endpoint}: {answer.get('message', answer)}")
         self.version = version

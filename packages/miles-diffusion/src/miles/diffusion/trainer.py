@@ -63,6 +63,7 @@ from miles.diffusion.sampler import (
 )
 from miles.diffusion.sglang_api import RolloutSettings
 from miles.sync import InProcessTransport, WeightReceiver, WeightSender
+from miles.sync.errors import WeightUpdateError
 from miles.train.fsdp2.lora import adapter_dropout, adapters_disabled, apply_lora, full_tensor, merged_weights
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from torch import Tensor
@@ -607,7 +608,9 @@ class FlowGRPOTrainer:
 
         Returns: its metrics (``reward/*``, ``loss``, ``grad_norm``, ``clipfrac``, ``approx_kl``,
         ``train_rollout_logprob_max_abs_diff``, ``optimizer_steps``, ``weight_version``, ``time/*`` in s).
-        Raises: RewardFailed (``rollout``).
+        Raises: RewardFailed (``rollout``); with an engine, ConnectionError from its rollout (nothing changed: the
+        step can run again) or WeightUpdateError from the push after the update (the step counts as done: the
+        trainer and its in-process copy hold it, only the servers do not; a resume pushes every weight again).
         """
         if not prompts:
             raise ValueError("step needs at least one prompt")
@@ -615,7 +618,11 @@ class FlowGRPOTrainer:
         start = time.perf_counter()
         rollout = self.rollout(prompts, step=step)
         rollout_time = time.perf_counter() - start
-        metrics = self.train(rollout, step=step)
+        try:
+            metrics = self.train(rollout, step=step)
+        except WeightUpdateError:
+            self.steps_done += 1
+            raise
         self.steps_done += 1
         stds = rollout.all_rewards.view(-1, self.config.group_size).std(dim=1)
         return {

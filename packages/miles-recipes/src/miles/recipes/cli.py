@@ -145,6 +145,7 @@ sd35_medium_flow_grpo_compressibility, qwen_image_flow_grpo_compressibility; doc
   --model.frozen-dtype bfloat16         text encoders and VAE in bf16 (--algorithm.rollout-dtype bfloat16: the
                                         sampling copy; old log-probs are then the trainer's fp32 recompute)
   --run.world-size N                    N rank processes (FSDP2 over the transformer)
+  --engine.type sglang --engine.urls URL  rollouts on SGLang-Diffusion servers (miles serve-diffusion on a CPU)
   --algorithm.loss NAME                 flow_grpo or diffusion_nft
   --algorithm.lr LR  --algorithm.prompts-per-step N  --algorithm.group-size N (images per prompt)
   --algorithm.num-steps N               denoising steps sampled (--algorithm.train-steps K: train on K of them)

@@ -198,6 +198,13 @@ class DiffusionConfig(_Section):
                              "their addresses (--engine.urls http://127.0.0.1:30000)")  # fmt: skip
         if self.engine.type == "sglang" and ranks > 1:
             raise ValueError("engine.type sglang trains in one process: set run.world_size 1 (the servers sample)")
+        bad = [url for url in self.engine.urls if not url.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"engine.urls: {bad[0]!r} has no scheme; write http://{bad[0]}")
+        given = [key for key in ("urls", "weights_dir") if getattr(self.engine, key)]
+        if self.engine.type == "embedded" and given:
+            raise ValueError(f"engine.{given[0]} is set but engine.type is embedded (the trainer samples in its own "
+                             "process); add --engine.type sglang to sample on those servers")  # fmt: skip
         return self
 
 
@@ -562,9 +569,13 @@ def _train(
             close_engine()
             raise RunSetupError(f"engine.urls: {err}") from err
         if cfg.algorithm.rollout_dtype != "float32" or cfg.model.frozen_dtype != "float32" or engine is not None:
+            sampler = f"the sampling copy {cfg.algorithm.rollout_dtype}"
+            if engine is not None:
+                sampler = f"rollouts on the servers ({cfg.engine.dtype}), evaluation on an in-process copy "
+                sampler += cfg.algorithm.rollout_dtype
             logger.info(
-                "precision: the trained transformer float32, the sampling copy %s, text encoders and VAE %s; old "
-                "log-probs: %s", cfg.algorithm.rollout_dtype, cfg.model.frozen_dtype,
+                "precision: the trained transformer float32, %s, text encoders and VAE %s; old log-probs: %s",
+                sampler, cfg.model.frozen_dtype,
                 "the trainer's float32 recompute" if trainer.recompute_old_log_probs else "the sampler's",
             )  # fmt: skip
         if cfg.algorithm.lora is not None:
@@ -635,6 +646,31 @@ def _train(
                 )
             logger.info("saved checkpoint %s", saved[-1])
 
+        gap_limit = {"float32": 1e-3, "bfloat16": 1e-2}[cfg.engine.dtype]  # measured same-model gaps: < 1e-6, ~2e-3
+        warned = []
+
+        def check_engine_gap(metrics: dict[str, float]) -> None:
+            gap = metrics.get("train_rollout_logprob_max_abs_diff")
+            if engine is None or gap is None or gap <= gap_limit or warned:
+                return
+            warned.append(gap)
+            logger.warning(
+                "the servers' log-probs differ from the trainer's by up to %.2g (expected below %g with %s servers): "
+                "do they serve the model this run trains (text encoders, VAE, scheduler: a push carries the "
+                "transformer only)?", gap, gap_limit, cfg.engine.dtype,
+            )  # fmt: skip
+
+        def engine_failed(err: Exception, step: int, position: dict[str, Any]) -> str:
+            """Save where the trainer stands after an engine failure in step ``step`` + 1 (it is healthy): before
+            that step when its rollout failed (its prompts go back), after it when only the push failed."""
+            done = trainer.steps_done
+            if done == step:
+                prompts.load_state_dict(position)
+            if done > 0 and not (saved and saved[-1].name == f"step_{done}"):
+                save(done)
+            kept = f"checkpoint step_{done} holds {done} step(s)" if done else "no step was completed"
+            return f"engine ({cfg.engine.type}) failed in step {step + 1}: {str(err).rstrip('.')}; {kept}"
+
         step, stopping = start_step, None
         try:
             with stop:
@@ -643,10 +679,15 @@ def _train(
                 stopping = agreed(stop.requested)
                 while step < cfg.loop.num_steps and not stopping:
                     t0 = time.perf_counter()
-                    metrics = trainer.step(prompts.take(cfg.algorithm.prompts_per_step))
+                    position = prompts.state_dict()
+                    try:
+                        metrics = trainer.step(prompts.take(cfg.algorithm.prompts_per_step))
+                    except (ConnectionError, WeightUpdateError) as err:  # a server went away or refused a push
+                        raise RunFailed(engine_failed(err, step, position)) from err
                     step += 1
                     metrics["time/step"] = time.perf_counter() - t0
                     log(metrics, step)
+                    check_engine_gap(metrics)
                     last = step == cfg.loop.num_steps
                     if cfg.eval.interval and (step % cfg.eval.interval == 0 or last):
                         evaluate(step)
@@ -657,8 +698,6 @@ def _train(
             raise RunInputError(
                 f"reward.{'path' if cfg.reward.path else 'name'} ({cfg.reward.path or cfg.reward.name}): {err}"
             ) from err
-        except (ConnectionError, WeightUpdateError) as err:  # a server went away or refused a push mid-run
-            raise RunFailed(f"engine ({cfg.engine.type}) failed at step {step + 1}: {err}") from err
         finally:
             close_engine()
             console.close()
