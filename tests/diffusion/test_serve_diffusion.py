@@ -8,7 +8,6 @@ recomputes (``step_log_probs``) from the latents and sigmas it sends, and its im
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ import torch
 from miles.diffusion.models import tiny_flow_model
 from miles.diffusion.sampler import Trajectories, flow_sigmas, step_log_probs
 from miles.diffusion.sglang_api import decode_tensor, parse_rollout_response, tensor_sha256
-from miles.rollout.engines.server import ServerProcess, free_port
+from miles.rollout.engines.server import free_port
 from safetensors.torch import save_file
 
 PROMPT = "a red square"
@@ -31,20 +30,6 @@ def rollout_body(**overrides) -> dict:
             "rollout_noise_level": NOISE_LEVEL, "rollout_debug_mode": False,
             "rollout_return_dit_trajectory": True}  # fmt: skip
     return body | overrides
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("serve_diffusion")
-    port = free_port()
-    command = [sys.executable, "-m", "miles.recipes.serve_diffusion", "--model", "tiny-flow", "--port", str(port),
-               "--log-level", "warning"]  # fmt: skip
-    process = ServerProcess("miles serve-diffusion", command, host="127.0.0.1", port=port,
-                            log_path=log_dir / "serve.log", env={"OMP_NUM_THREADS": "1"},
-                            startup_timeout_s=120)  # fmt: skip
-    process.start()
-    yield process
-    process.stop()  # SIGTERM to the process group of the pid it started
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ not there.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from miles.diffusion.models import tiny_flow_model
 from miles.diffusion.sglang import SGLangDiffusionEngine, SGLangDiffusionWeightSink
 from miles.diffusion.sglang_api import tensor_sha256
 from miles.diffusion.trainer import FlowGRPOTrainer
-from miles.rollout.engines.server import ServerProcess, free_port
+from miles.rollout.engines.server import free_port
 from miles.sync.errors import WeightUpdateError
 
 PROMPTS = ["a red image", "a blue image"]
@@ -31,20 +30,6 @@ SMALL = dict(prompts_per_step=2, group_size=2, num_steps=4, micro_batch_size=8, 
 
 def brightness(prompts, images):
     return [float(image.mean()) / 255 for image in images]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("sglang_engine")
-    port = free_port()
-    command = [sys.executable, "-m", "miles.recipes.serve_diffusion", "--model", "tiny-flow", "--port", str(port),
-               "--log-level", "warning"]  # fmt: skip
-    process = ServerProcess("miles serve-diffusion", command, host="127.0.0.1", port=port,
-                            log_path=log_dir / "serve.log", env={"OMP_NUM_THREADS": "1"},
-                            startup_timeout_s=120)  # fmt: skip
-    process.start()
-    yield process
-    process.stop()
 
 
 def perturbed_tiny_flow():

@@ -359,6 +359,7 @@ async def _body(request: Request) -> dict[str, Any]:
 
 @router.get("/health")
 async def health() -> Response:
+    """200, empty body, once the model is loaded (the server answers nothing before)."""
     return Response(status_code=200)
 
 
