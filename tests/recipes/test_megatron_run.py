@@ -88,7 +88,8 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
         ),
         (
             ["--train.megatron.pipeline-parallel-size", "2", "--train.megatron.expert-parallel-size", "2"],
-            r"pipeline_parallel_size 2 with expert_parallel_size 2 is not supported yet; use one of them",
+            r"expert_parallel_size 2 and pipeline_parallel_size 2 but train.world_size is 1: .* a stage's replicas "
+            r"split its experts expert_parallel_size ways; set --train.world-size to a multiple of 4",
         ),
         (  # FSDP2 would ignore the layout without a word
             ["--train.backend", "fsdp2", "--train.megatron.pipeline-parallel-size", "2"],

@@ -1,6 +1,6 @@
 """Worker for the two-rank Megatron tests; run as a script:
 python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL[xEXPERT_PARALLEL][pPIPELINE_PARALLEL] LAYOUT
-[BATCH_FILE] (e.g. ``2``, ``1x2``, ``1p2``).
+[BATCH_FILE] (e.g. ``2``, ``1x2``, ``1p2``, ``1x2p2`` on 4 ranks).
 
 Every rank: log-probs of the whole batch, forward_backward of its replica's rows with the global loss counts, full
 gradients, one optimizer step, a push into rank 0's recording sink, the full state, a checkpoint and its load (the
@@ -71,7 +71,7 @@ def main(
     forwarded = backend.forward(batch, outputs=outputs)
     log_probs = forwarded.old_log_probs
     replicas = world // (tensor_parallel * pipeline_parallel)
-    replica = rank // (tensor_parallel * pipeline_parallel)  # a replica's ranks are consecutive
+    replica = train.megatron.replica_of(rank, world)  # Megatron's rank order: tp-cp-ep-dp-pp
     rows = batch.batch_size // replicas
     shard = batch.slice(replica * rows, (replica + 1) * rows)
     # two accumulations before the step (the global counts in both): Megatron's gradient finalization must run once

@@ -173,16 +173,32 @@ def test_two_pipeline_stages_replaying_the_engines_routing_equal_one_rank(four_l
     _two_ranks_equal_one_rank(four_layer_moe_dir, rollout, tmp_path, "1p2", {"tp0_pp0_ep0.pt", "tp0_pp1_ep0.pt"})
 
 
-def _two_ranks_equal_one_rank(moe_dir, rollout, tmp_path, parallel: str, expected: set[str]) -> None:
-    """Run ``megatron_worker.py`` on 2 ranks with ``parallel`` and check it against one rank (see the callers)."""
+@pytest.mark.integration
+@pytest.mark.slow
+def test_pipeline_stages_with_their_experts_split_over_two_replicas_equal_one_rank(four_layer_moe_dir, tmp_path):
+    """PP=2 x EP=2 on 4 ranks (Megatron's rank order tp-cp-ep-dp-pp: stage 0 on ranks 0-1, stage 1 on ranks 2-3;
+    replica 0 = ranks 0 and 2, replica 1 = ranks 1 and 3, each with half the rows; each stage's MoE layers hold 4
+    of the 8 experts per rank), replaying the engine's routing: log-probs, metrics, gradients, a step, the push of
+    every stage's every expert and a checkpoint per stage and expert rank equal / match one rank's."""
+    rollout = build_train_batch(engine_rollout(four_layer_moe_dir), torch.tensor([1.0, -1.0] * 4), pad_token_id=0)
+    expected = {f"tp0_pp{stage}_ep{ep}.pt" for stage in range(2) for ep in range(2)}
+    _two_ranks_equal_one_rank(four_layer_moe_dir, rollout, tmp_path, "1x2p2", expected, world=4)
+
+
+def _two_ranks_equal_one_rank(moe_dir, rollout, tmp_path, parallel: str, expected: set[str], *, world: int = 2) -> None:
+    """Run ``megatron_worker.py`` on ``world`` ranks with ``parallel`` and check it against one rank (see the
+    callers)."""
     batch_file = tmp_path / "batch.pt"
     batch = rollout.replace(old_log_probs=rollout.rollout_log_probs)
     torch.save({f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}, batch_file)
     worker = Path(__file__).parent / "megatron_worker.py"
     out = tmp_path / "rank0.pt"
     args = [str(tmp_path / "init"), str(moe_dir), str(out), parallel, "packed", str(batch_file)]
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", *args], cwd=worker.parent) for r in range(2)]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    procs = [
+        subprocess.Popen([sys.executable, str(worker), str(r), str(world), *args], cwd=worker.parent)
+        for r in range(world)
+    ]
+    assert [p.wait(timeout=600) for p in procs] == [0] * world
     result = torch.load(out, weights_only=True)
     single = _megatron(moe_dir, micro_batch_size=2, lr=1e-2, adam_eps=1e-4)  # the worker's settings
     mask = batch.loss_mask.bool()

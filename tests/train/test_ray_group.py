@@ -18,6 +18,7 @@ from miles.core.batch import TrainBatch
 from miles.core.config import AlgorithmConfig
 from miles.core.execution import import_ray, placement_group_for, ray_session
 from miles.train import FSDP2Backend, TrainConfig
+from miles.train.config import MegatronConfig
 from miles.train.ray_group import TRAINER_RNG_FILE, RayTrainGroup, TrainerRankFailed, pad_shard, shard_rows
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -159,7 +160,7 @@ def test_megatron_replicas_get_their_rows_on_every_tensor_parallel_rank_and_one_
     """World 4 = TP 2 x 2 replicas (Megatron's layout: a replica's ranks are consecutive): ranks 0, 1 get replica
     0's rows (3 of 5), ranks 2, 3 replica 1's (2, padded to 3); forward keeps one answer per replica, ranks 0 and 2."""
     group = RayTrainGroup.__new__(RayTrainGroup)
-    group.world_size, group.replica_size = 4, 2
+    group.world_size, group.replica_of = 4, [MegatronConfig(tensor_parallel_size=2).replica_of(r, 4) for r in range(4)]
     batch = _batch()
     rows, shards = group._shards(batch)
     assert rows == [range(0, 3), range(3, 5)]
@@ -357,3 +358,31 @@ def test_a_killed_rank_fails_every_later_call_naming_it_and_close_releases_actor
     # at least what was free before: earlier tests' actors may free theirs meanwhile (a loaded CI run measured 0 free
     # CPUs before and 2 after), while bundles the group kept would leave fewer
     assert ray.available_resources().get("CPU", 0.0) >= cpus_before
+
+
+def test_megatron_rank_order_puts_a_replicas_pipeline_stages_world_over_pp_apart():
+    """Megatron's order tp-cp-ep-dp-pp, rank = t + TP * (d + DP * p). World 8 = TP 2 x PP 2 x 2 replicas: ranks 0, 1
+    (stage 0) and 4, 5 (stage 1) are replica 0; 2, 3 and 6, 7 replica 1. PP 2 x 2 replicas (TP 1, e.g. with EP 2):
+    replica 0 = ranks 0 and 2. Forward keeps the answer of each replica's first rank (0 and 1 below)."""
+    layout = MegatronConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert [layout.replica_of(rank, 8) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    group = RayTrainGroup.__new__(RayTrainGroup)
+    pipeline = MegatronConfig(pipeline_parallel_size=2, expert_parallel_size=2)
+    group.world_size, group.replica_of = 4, [pipeline.replica_of(r, 4) for r in range(4)]
+    assert group.replica_of == [0, 1, 0, 1]
+    batch = _batch()
+    rows, shards = group._shards(batch)
+    assert rows == [range(0, 3), range(3, 5)]
+    assert torch.equal(shards[0].tokens, shards[2].tokens) and torch.equal(shards[1].tokens[:2], batch.tokens[3:5])
+
+    def answer(name, per_rank):
+        return [
+            {"old_log_probs": torch.full(shard.loss_mask.shape, float(rank))}
+            for rank, (shard, _) in enumerate(per_rank)
+        ]
+
+    group._call = answer
+    got = group.forward(batch, outputs={"old_log_probs"}).old_log_probs
+    assert got[:, 0].tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="not a multiple of train.megatron.tensor_parallel_size x"):
+        layout.replica_of(0, 6)

@@ -191,19 +191,13 @@ class MilesConfig(BaseModel):
             megatron_targets(lora.target_modules)  # fused q/k/v and gate/up are targeted whole
         tensor_parallel, expert_parallel = mg.tensor_parallel_size, mg.expert_parallel_size
         pipeline_parallel = mg.pipeline_parallel_size
-        if pipeline_parallel > 1 and expert_parallel > 1:
-            raise ValueError(
-                f"train.megatron.pipeline_parallel_size {pipeline_parallel} with expert_parallel_size "
-                f"{expert_parallel} is not supported yet; use one of them (--train.megatron.expert-parallel-size 1, or "
-                "--train.megatron.pipeline-parallel-size 1)"
-            )
         product = tensor_parallel * expert_parallel * pipeline_parallel
         if train.world_size % product:
             raise ValueError(
                 f"train.megatron.tensor_parallel_size is {tensor_parallel}, expert_parallel_size {expert_parallel} "
                 f"and pipeline_parallel_size {pipeline_parallel} but train.world_size is {train.world_size}: the "
-                "trainer's ranks are tensor_parallel_size x pipeline_parallel_size x data-parallel replicas, the "
-                "replicas split the experts expert_parallel_size ways; set --train.world-size to a multiple of "
+                "trainer's ranks are tensor_parallel_size x pipeline_parallel_size x data-parallel replicas, a "
+                "stage's replicas split its experts expert_parallel_size ways; set --train.world-size to a multiple of "
                 f"{product} (several ranks run as Ray actors: --execution.mode ray), or smaller sizes"
             )
 

@@ -59,7 +59,7 @@ class MegatronConfig(BaseModel):
         ge=1,
         description="Ranks each MoE layer's experts are split over (Megatron expert parallelism; tokens reach their "
         "experts through an all-gather); it must divide the experts per layer, and tensor_parallel_size x "
-        "expert_parallel_size must divide train.world_size. 1 for dense models.",
+        "expert_parallel_size x pipeline_parallel_size must divide train.world_size. 1 for dense models.",
     )
     pipeline_parallel_size: int = Field(
         1,
@@ -69,9 +69,25 @@ class MegatronConfig(BaseModel):
         "activations and their gradients pass between stages point to point under Megatron's 1F1B schedule, so the "
         "stages work on different micro-batches at once: give a step several micro-batches, train.micro_batch_size). "
         "It must divide the model's layers, and tensor_parallel_size x pipeline_parallel_size must divide "
-        "train.world_size: a data-parallel replica is that many consecutive ranks. Not yet with "
-        "expert_parallel_size > 1.",
+        "train.world_size: a data-parallel replica is that many ranks (Megatron's rank order: a replica's "
+        "tensor-parallel ranks consecutive, its stages world_size / pipeline_parallel_size ranks apart). With "
+        "expert_parallel_size > 1 each stage's MoE layers split their experts over the replicas.",
     )
+
+    def replica_of(self, rank: int, world_size: int) -> int:
+        """The data-parallel replica trainer ``rank`` belongs to (its rows), in Megatron's rank order tp-cp-ep-dp-pp:
+        ``rank = t + TP * (d + DP * p)`` for tensor-parallel rank t, replica d of DP = world_size / (TP x PP) and
+        pipeline stage p, so a replica's tensor-parallel ranks are consecutive and its stages world_size / PP apart.
+
+        Raises: ValueError when TP x PP does not divide ``world_size``.
+        """
+        replica_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world_size % replica_size:
+            raise ValueError(
+                f"train.world_size {world_size} is not a multiple of train.megatron.tensor_parallel_size x "
+                f"pipeline_parallel_size ({replica_size})"
+            )
+        return (rank // self.tensor_parallel_size) % (world_size // replica_size)
 
 
 BACKEND_NAMES = {"fsdp2": "FSDP2", "megatron": "Megatron"}  # train.backend -> how logs name it

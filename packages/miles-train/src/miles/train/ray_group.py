@@ -3,8 +3,9 @@
 Each actor (``TrainWorker``) is one rank of a torch.distributed group (gloo on CPU; gloo + NCCL when its bundle has
 a GPU) and owns the backend ``train.backend`` names (``FSDP2Backend``, or ``MegatronBackend``). The driver holds the
 global batch: ``forward`` and ``forward_backward`` give each data-parallel replica its contiguous rows (an FSDP2 rank
-is a replica; a Megatron replica is ``tensor_parallel_size x pipeline_parallel_size`` consecutive ranks, which all get
-its rows), with the global ``LossCounts``, so the update equals one big batch on one rank (the backends' contract).
+is a replica; a Megatron replica is ``tensor_parallel_size x pipeline_parallel_size`` ranks, which all get its rows:
+``MegatronConfig.replica_of``), with the global ``LossCounts``, so the update equals one big batch on one rank (the
+backends' contract).
 Weights leave from rank 0's actor through the sink its ``weight_sink_factory`` builds there, never through the
 driver.
 
@@ -266,16 +267,11 @@ class RayTrainGroup:
         resources = dict(resources_per_rank or {"CPU": 1.0})
         self.world_size = train.world_size
         self.backend_name = train.backend
-        # ranks that run the same rows: a Megatron replica's tensor-parallel ranks (consecutive, Megatron's layout)
-        megatron = train.megatron
-        self.replica_size = (
-            megatron.tensor_parallel_size * megatron.pipeline_parallel_size if train.backend == "megatron" else 1
-        )
-        if self.world_size % self.replica_size:
-            raise ValueError(
-                f"train.world_size {self.world_size} is not a multiple of train.megatron.tensor_parallel_size x "
-                f"pipeline_parallel_size ({self.replica_size})"
-            )
+        # ranks that run the same rows: a Megatron replica's tensor-parallel ranks and pipeline stages
+        self.replica_of = [
+            train.megatron.replica_of(rank, self.world_size) if train.backend == "megatron" else rank
+            for rank in range(self.world_size)
+        ]
         self.weight_sink_factory = weight_sink_factory
         self._stack = contextlib.ExitStack()
         self._failure: TrainerRankFailed | None = None
@@ -334,7 +330,8 @@ class RayTrainGroup:
         """
         outputs = sorted(outputs)
         rows, shards = self._shards(batch)
-        parts = self._call("forward", per_rank=[(shard, outputs) for shard in shards])[:: self.replica_size]
+        answers = self._call("forward", per_rank=[(shard, outputs) for shard in shards])
+        parts = [answers[self.replica_of.index(replica)] for replica in range(len(rows))]  # its first rank's
         changes = {name: torch.cat([part[name][: len(r)] for part, r in zip(parts, rows)]) for name in outputs}
         return batch.replace(**changes)
 
@@ -436,10 +433,10 @@ class RayTrainGroup:
     # -- internals ---------------------------------------------------------------------------------
     def _shards(self, batch: TrainBatch) -> tuple[list[range], list[TrainBatch]]:
         """Each replica's rows and each rank's shard (its replica's rows, padded to the largest replica's)."""
-        rows = shard_rows(batch.batch_size, self.world_size // self.replica_size)
+        rows = shard_rows(batch.batch_size, max(self.replica_of) + 1)
         num_rows = max(1, len(rows[0]))  # replica 0 has the most rows; a rank never gets an empty batch
         shards = [pad_shard(batch, r, num_rows=num_rows) for r in rows]
-        return rows, [shards[rank // self.replica_size] for rank in range(self.world_size)]
+        return rows, [shards[replica] for replica in self.replica_of]
 
     def _objective_ref(self, objective: PolicyObjective) -> Any:
         if self._objective is None or self._objective[0] is not objective:

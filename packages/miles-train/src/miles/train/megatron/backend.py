@@ -1,15 +1,17 @@
 """Megatron-core training backend: an HF causal LM converted into Megatron's ``GPTModel``, tensor-parallel over the
 ranks of the current process group, with the same ``TrainBackend`` contract and the same shared objective as FSDP2.
 
-Rank layout: ``world = tensor_parallel_size * data_parallel_size``; Megatron's ``parallel_state`` groups the ranks
-(the tensor-parallel ranks of one replica are consecutive). Every rank of a tensor-parallel group runs the same rows;
-data-parallel replicas get their own rows and Megatron's ``DistributedDataParallel`` sums their gradients; with
-``expert_parallel_size`` > 1 the replicas split each MoE layer's experts.
+Rank layout: ``world = tensor_parallel_size * data_parallel_size * pipeline_parallel_size``; Megatron's
+``parallel_state`` groups the ranks (order tp-cp-ep-dp-pp: the tensor-parallel ranks of one replica are consecutive,
+its pipeline stages outermost). Every rank of a replica runs the same rows; data-parallel replicas get their own rows
+and Megatron's ``DistributedDataParallel`` sums their gradients; with ``expert_parallel_size`` > 1 the replicas split
+each MoE layer's experts.
 MoE models (Qwen3-MoE, DeepSeek-V3 / Kimi K2) replay the engine's routing (R3) when the batch carries it: each
 router's top-k is the recorded experts where a token has them, with gating weights from the live logits
 (``RecordedTopK``). LoRA sits on Megatron's fused linears (``miles.train.megatron.lora``; dense models, no dropout).
-With ``pipeline_parallel_size`` > 1 each replica's ranks form stages holding consecutive layers (not yet with expert
-parallelism; MoE stages replay the routing of their own layers, LoRA stages hold their layers' adapters), run by
+With ``pipeline_parallel_size`` > 1 each replica's ranks form stages holding consecutive layers (with expert
+parallelism each stage's experts split over the replicas; MoE stages replay the routing of their own layers, LoRA
+stages hold their layers' adapters), run by
 Megatron's 1F1B pipeline schedule: activations pass from stage to stage and gradients back, the last stage computes
 the log-probs and the loss.
 Context parallelism, LoRA on MoE models, a critic and vision-language models are not wired in yet.
@@ -65,9 +67,10 @@ BLOCK_DIAGONAL_MASK = "miles_block_diagonal_mask"  # what CausalLMView attends w
 
 def init_parallel_state(tensor_parallel: int, expert_parallel: int = 1, pipeline_parallel: int = 1) -> None:
     """Megatron's ``parallel_state`` over the current process group with ``tensor_parallel`` x ``pipeline_parallel``
-    ranks per replica (consecutive: rank order tp-cp-ep-pp-dp, so a replica is one block of ranks) and each MoE
-    layer's experts split over ``expert_parallel`` ranks (re-initialized when an earlier backend in this process used
-    other sizes); seeds Megatron's RNG tracker.
+    ranks per replica (Megatron's default rank order tp-cp-ep-dp-pp: a replica's tensor-parallel ranks consecutive,
+    its stages world / pipeline_parallel apart, ``MegatronConfig.replica_of``) and each MoE layer's experts split
+    over ``expert_parallel`` replicas of a stage (re-initialized when an earlier backend in this process used other
+    sizes); seeds Megatron's RNG tracker.
 
     Raises: ValueError when the world size is not a multiple of the three sizes' product.
     """
@@ -94,7 +97,7 @@ def init_parallel_state(tensor_parallel: int, expert_parallel: int = 1, pipeline
         tensor_model_parallel_size=tensor_parallel,
         expert_model_parallel_size=expert_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
-        order="tp-cp-ep-pp-dp",  # a replica's ranks consecutive (Megatron's default puts pp last)
+        order="tp-cp-ep-dp-pp",  # pp last: the one order Megatron allows for stages and experts over replicas
     )
     rng = torch.get_rng_state()
     model_parallel_cuda_manual_seed(1234)  # dropout is off: the tracker only has to exist; keep the run's RNG
@@ -694,8 +697,9 @@ class MegatronBackend:
         """``forward_backward``'s micro-batches through Megatron's 1F1B pipeline schedule
         (``forward_backward_pipelining_without_interleaving``): a stage runs the next micro-batch's forward while
         later stages still work on earlier ones, and backwards interleave with forwards once the pipeline is full.
-        The last stage computes each micro-batch's loss (times the data-parallel size, as DDP averages) and hands it
-        to the schedule, which back-propagates it; activations and their gradients pass between stages point to
+        The last stage computes each micro-batch's loss (divided by the global counts; DDP sums the replicas'
+        gradients under ``calculate_per_token_loss``, where it averages them without a pipeline) and hands it to the
+        schedule, which back-propagates it; activations and their gradients pass between stages point to
         point, with their shapes (micro-batches differ in length). Returns: ``accumulate_policy_loss``'s sums,
         the last stage's, on every stage. Collective over the pipeline group."""
         from megatron.core import parallel_state
@@ -710,7 +714,8 @@ class MegatronBackend:
                 log_probs, entropy = self._log_probs(model, mb, with_entropy=True)
             except StageOutput as stage:  # a stage before the last: its activations go on
                 return stage.hidden, None
-            loss = accumulator.loss(mb, log_probs, entropy) * self.dp_size
+            # not times dp_size: with calculate_per_token_loss (pipeline_config) DDP sums the replicas' gradients
+            loss = accumulator.loss(mb, log_probs, entropy)
             return loss, lambda out: (out, torch.ones((), dtype=torch.int), {})  # per-token: nothing divided
 
         if accumulator.micro_batches:

@@ -275,12 +275,6 @@ def transformer_config_kwargs(
             f"train.megatron.pipeline_parallel_size {pipeline_parallel} must divide the model's layers ({layers}): "
             "each stage holds as many; pick a divisor"
         )
-    if pipeline_parallel > 1 and expert_parallel > 1:
-        raise ValueError(
-            f"train.megatron.pipeline_parallel_size {pipeline_parallel} with expert_parallel_size {expert_parallel} "
-            "is not supported yet (a replica's ranks are consecutive, Megatron then needs as many expert- as "
-            "data-parallel ranks); use one of them"
-        )
     # Megatron's pipeline schedule: the loss the backend hands it is already divided by the global counts (per-token:
     # the schedule divides nothing); see pipeline_config for the micro-batches' lengths
     pipeline = dict(
