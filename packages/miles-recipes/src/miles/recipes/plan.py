@@ -93,7 +93,11 @@ def _engine(cfg: MilesConfig) -> list[str]:
         ports = [engine.port + i if engine.port else f"PORT_{i}" for i in range(engine.num_servers)]
         lora = cfg.train.lora
         rank = lora.rank if lora is not None and lora.sync == "adapter" else 0
-        for server in planned_servers(engine, model, cfg.rollout.seed, ports=ports, lora_rank=rank):
+        trusted = cfg.models.policy.trust_remote_code
+        planned = planned_servers(
+            engine, model, cfg.rollout.seed, ports=ports, lora_rank=rank, trust_remote_code=trusted
+        )
+        for server in planned:
             env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(server.env.items()))
             lines.append(f"  {server.name}: {env + ' ' if env else ''}{_command(server.argv)}")
     if engine.type == "sglang" and engine.router:
