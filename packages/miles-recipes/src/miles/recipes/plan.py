@@ -142,6 +142,8 @@ def _trainer(cfg: MilesConfig) -> list[str]:
         registered = " (a registered model, converted into the Miles cache on first use: its directory is what runs)"
     elif not Path(cfg.models.policy.path).expanduser().is_dir():
         registered = " (not a directory on this machine: the machines that run it need it there)"
+    if cfg.models.policy.trust_remote_code:
+        registered += "; its own Python code may run (models.policy.trust_remote_code)"
     lines = [
         f"trainer: {world} {train.backend} rank(s) in {where}{layout}; {', '.join(extras)}{held}",
         f"policy: {cfg.models.policy.path}{registered}",
