@@ -380,9 +380,15 @@ def _vllm(
     launched = LaunchedEngine(None, None, "")
     if server_actors and not urls:
         urls = _start_vllm_actors(
-            cfg, model_path, log_dir, launched, seed, engine_placement=engine_placement, lora_rank=lora_rank,
+            cfg,
+            model_path,
+            log_dir,
+            launched,
+            seed,
+            engine_placement=engine_placement,
+            lora_rank=lora_rank,
             trust_remote_code=trust_remote_code,
-        )  # fmt: skip
+        )
     elif not urls:
         servers = launch_vllm_servers(
             model_path,
@@ -491,9 +497,14 @@ def _start_vllm_actors(
     has_torchvision = check_vllm_installed(cfg.python or default_vllm_python())
     specs = []
     planned = planned_servers(
-        cfg, model_path, seed, ports=_server_ports(cfg), lora_rank=lora_rank, no_torchvision=not has_torchvision,
+        cfg,
+        model_path,
+        seed,
+        ports=_server_ports(cfg),
+        lora_rank=lora_rank,
+        no_torchvision=not has_torchvision,
         trust_remote_code=trust_remote_code,
-    )  # fmt: skip
+    )
     for i, server in enumerate(planned):
         specs.append(
             ServerSpec(
