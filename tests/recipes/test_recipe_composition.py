@@ -45,11 +45,14 @@ def _nested(flat: dict) -> dict:
     a = flat["algorithm"]
     gae = a["advantage_estimator"] == "gae" and not a["advantage_estimator_path"]
     tree = {key: value for key, value in flat.items() if key not in ("model", "algorithm", "loop")}
+    no_code = {"trust_remote_code": False}  # models.*.trust_remote_code: added later, off
+    critic = {"path": a["critic_path"], "lr": a["critic_lr"], "value_clip": a["value_clip"], **no_code}
+    teacher = {"path": a["teacher_path"], "temperature": a["teacher_temperature"], **no_code}
     tree["models"] = {
-        "policy": {"path": flat["model"]["path"]},
-        "reference": {"path": ""},  # the flat layout's reference was always the initial policy
-        "critic": {"path": a["critic_path"], "lr": a["critic_lr"], "value_clip": a["value_clip"]} if gae else None,
-        "teacher": {"path": a["teacher_path"], "temperature": a["teacher_temperature"]} if a["teacher_path"] else None,
+        "policy": {"path": flat["model"]["path"], **no_code},
+        "reference": {"path": "", **no_code},  # the flat layout's reference was always the initial policy
+        "critic": critic if gae else None,
+        "teacher": teacher if a["teacher_path"] else None,
     }
     correction = a["importance_sampling"] != "none" or a["opsm"]
     tree["algorithm"] = {

@@ -119,6 +119,11 @@ def test_frontier_recipes_validate_for_gpus_and_as_tiny_twins(name):
     assert (tiny.models.policy.path, tiny.engine.type, tiny.engine.routed_experts) == (twin, "embedded", routed)
     assert (tiny.train.backend, tiny.train.dtype, tiny.execution.mode) == (backend, "fp32", "local")
     assert gpu.train.batch_layout == tiny.train.batch_layout == layout
+    # Kimi's tokenizer is its checkpoint's own code (tokenization_kimi.py); Miles' twins are not
+    assert (gpu.models.policy.trust_remote_code, tiny.models.policy.trust_remote_code) == (
+        name.startswith("kimi"),
+        False,
+    )
     assert (
         gpu.train.freeze_vision_tower
         == tiny.train.freeze_vision_tower

@@ -350,6 +350,15 @@ class EvalConfig(_EvalSettings):
         return bool(self.num_prompts or self.sets)
 
 
+_TRUST_REMOTE_CODE = (
+    "Load the model's own Python code: the classes its config.json / tokenizer_config.json / "
+    "preprocessor_config.json name under auto_map (e.g. Kimi K2's tiktoken tokenizer, tokenization_kimi.py), passed "
+    "as trust_remote_code to transformers' from_pretrained and as --trust-remote-code to vLLM / SGLang / miles serve. "
+    "Security: that code runs with the run's permissions, so set it only for a checkpoint whose files you trust. "
+    "false (the default) refuses such a checkpoint with one line naming this key."
+)
+
+
 class PolicyModelConfig(_Section):
     """The policy: the model being trained and served by the engine."""
 
@@ -357,6 +366,11 @@ class PolicyModelConfig(_Section):
         "smollm2-135m-instruct",
         description="A model name registered in miles.recipes (smollm2-135m-instruct) or a local HF model directory "
         "(config.json + safetensors + tokenizer). Checked when the run is built.",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description=_TRUST_REMOTE_CODE
+        + " Applies to this model and to the reference and critic while their paths are empty (they are this model).",
     )
 
 
@@ -368,6 +382,11 @@ class ReferenceModelConfig(_Section):
         description="Registered name or HF model directory of the reference (same tokenizer as the policy); empty "
         "= the policy's initial weights (models.policy.path), the usual choice. Loaded only when algorithm.kl is on.",
     )
+    trust_remote_code: bool = Field(
+        False,
+        description=_TRUST_REMOTE_CODE
+        + " Only for a set models.reference.path (empty: models.policy.trust_remote_code).",
+    )
 
 
 class CriticConfig(_Section):
@@ -377,6 +396,10 @@ class CriticConfig(_Section):
         "",
         description="Registered name or HF model directory initializing the critic's backbone (a random value head "
         "is added); empty = the policy model (models.policy.path).",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description=_TRUST_REMOTE_CODE + " Only for a set models.critic.path (empty: models.policy.trust_remote_code).",
     )
     lr: float = Field(1e-5, gt=0.0, description="AdamW peak learning rate of the critic (train.warmup_steps applies).")
     value_clip: float = Field(
@@ -392,6 +415,7 @@ class TeacherConfig(_Section):
         description="Registered name or HF model directory of the teacher (required when models.teacher is on); "
         "it must share the policy's tokenizer and vocabulary.",
     )
+    trust_remote_code: bool = Field(False, description=_TRUST_REMOTE_CODE)
     temperature: float = Field(
         1.0,
         gt=0.0,
@@ -417,6 +441,17 @@ class ModelsConfig(_Section):
         description="The teacher; required by advantage 'opd' (and allowed with a custom estimator, which gets "
         "its log-probs), refused otherwise. null (the default) = no teacher.",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelsConfig:
+        for name, section in (("reference", self.reference), ("critic", self.critic)):
+            if section is not None and section.trust_remote_code and not section.path:
+                raise ValueError(
+                    f"models.{name}.trust_remote_code is true but models.{name}.path is empty, so the {name} is the "
+                    f"policy, whose code models.policy.trust_remote_code governs. Set "
+                    f"--models.policy.trust-remote-code true instead, or give --models.{name}.path."
+                )
+        return self
 
 
 class RayConfig(_Section):

@@ -43,14 +43,18 @@ def auto_model_class(config: Any) -> Any:
     return transformers.AutoModelForCausalLM
 
 
-def load_policy_model(path: Any, **kwargs: Any) -> torch.nn.Module:
+def load_policy_model(path: Any, *, trust_remote_code: bool = False, **kwargs: Any) -> torch.nn.Module:
     """``from_pretrained`` of the HF model at ``path`` through ``auto_model_class`` (text or vision-language).
 
+    Args:
+        trust_remote_code: run the model's own code (``auto_map`` in its config.json), as
+            ``models.*.trust_remote_code``.
     Raises: what transformers raises for a directory without a model.
     """
     from transformers import AutoConfig
 
-    return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return auto_model_class(config).from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
 
 
 VISION_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")

@@ -93,7 +93,11 @@ def _engine(cfg: MilesConfig) -> list[str]:
         ports = [engine.port + i if engine.port else f"PORT_{i}" for i in range(engine.num_servers)]
         lora = cfg.train.lora
         rank = lora.rank if lora is not None and lora.sync == "adapter" else 0
-        for server in planned_servers(engine, model, cfg.rollout.seed, ports=ports, lora_rank=rank):
+        trusted = cfg.models.policy.trust_remote_code
+        planned = planned_servers(
+            engine, model, cfg.rollout.seed, ports=ports, lora_rank=rank, trust_remote_code=trusted
+        )
+        for server in planned:
             env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(server.env.items()))
             lines.append(f"  {server.name}: {env + ' ' if env else ''}{_command(server.argv)}")
     if engine.type == "sglang" and engine.router:
@@ -138,6 +142,8 @@ def _trainer(cfg: MilesConfig) -> list[str]:
         registered = " (a registered model, converted into the Miles cache on first use: its directory is what runs)"
     elif not Path(cfg.models.policy.path).expanduser().is_dir():
         registered = " (not a directory on this machine: the machines that run it need it there)"
+    if cfg.models.policy.trust_remote_code:
+        registered += "; its own Python code may run (models.policy.trust_remote_code)"
     lines = [
         f"trainer: {world} {train.backend} rank(s) in {where}{layout}; {', '.join(extras)}{held}",
         f"policy: {cfg.models.policy.path}{registered}",

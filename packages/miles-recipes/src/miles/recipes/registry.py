@@ -26,6 +26,7 @@ from miles.recipes.models import tiny
 from miles.recipes.models.smollm2 import ensure_smollm2
 from miles.recipes.models.smollm2_vl import MODEL_NAME as SMOLLM2_VL
 from miles.recipes.models.smollm2_vl import ensure_smollm2_vl
+from miles.rollout.remote_code import check_remote_code
 
 MODELS: dict[str, Callable[[], Path]] = {
     "smollm2-135m-instruct": ensure_smollm2,
@@ -229,6 +230,19 @@ def check_model_path(name_or_path: str, *, key: str) -> None:
         f"{key} is {name_or_path!r}: not a registered model ({', '.join(sorted(MODELS))}) and not a directory with "
         f"config.json. {fix}"
     )
+
+
+def check_model_code(name_or_path: str, *, key: str, trusted: bool) -> None:
+    """Refuse a model directory that ships its own code (``auto_map`` in its config.json, tokenizer_config.json,
+    ...) unless ``trusted`` (the ``trust_remote_code`` beside ``key``); registered models ship none. Reads JSON only.
+
+    Raises: ValueError naming ``key``, the files and the setting to turn on.
+    """
+    if name_or_path in MODELS:
+        return
+    setting = key.removesuffix(".path") + ".trust_remote_code"
+    fix = f"set {setting}: true (--{setting.replace('_', '-')} true)"
+    check_remote_code(name_or_path, trusted=trusted, where=key, fix=fix)
 
 
 def resolve_model_path(name_or_path: str, *, key: str = "models.policy.path") -> Path:

@@ -33,7 +33,7 @@ from miles.core.rng import capture_rng_state, restore_rng_state
 from miles.recipes.checkpoint import restore_run_checkpoint, save_run_checkpoint, write_atomic
 from miles.recipes.config import MilesConfig
 from miles.recipes.interrupts import StopRequest
-from miles.recipes.registry import check_model_path, resolve_model_path
+from miles.recipes.registry import check_model_code, check_model_path, resolve_model_path
 from miles.recipes.run_dir import LOCK_FILE, RunDirError, check_room, checkpoint_size
 from miles.recipes.sinks import (
     WANDB_MISSING,
@@ -270,22 +270,38 @@ def model_paths(cfg: MilesConfig) -> dict[str, str]:
 def algorithm_models(cfg: MilesConfig, model_path: Path) -> dict[str, object]:
     """The models the algorithm needs, as backend kwargs: the reference (while ``algorithm.kl`` is on; the initial
     policy unless ``models.reference.path``), the teacher and critic directories (registered names resolved; an
-    empty critic path is the policy) and their settings."""
+    empty critic path is the policy) and their settings, and every model's ``trust_remote_code`` (the policy's as
+    ``trust_remote_code``; a reference or critic with an empty path takes the policy's)."""
     models = cfg.models
+    policy_trusted = models.policy.trust_remote_code
 
     def resolve(key: str, path: str) -> Path:
         return resolve_model_path(path, key=key) if path else model_path
 
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, object] = {"trust_remote_code": policy_trusted}
     if cfg.algorithm.kl is not None:
         kwargs["reference_path"] = resolve("models.reference.path", models.reference.path)
+        kwargs["reference_trust_remote_code"] = models.reference.trust_remote_code or policy_trusted
     if models.teacher is not None:
         kwargs["teacher_path"] = resolve("models.teacher.path", models.teacher.path)
         kwargs["teacher_temperature"] = models.teacher.temperature
+        kwargs["teacher_trust_remote_code"] = models.teacher.trust_remote_code
     if models.critic is not None:
         kwargs["critic_path"] = resolve("models.critic.path", models.critic.path)
         kwargs["critic_lr"] = models.critic.lr
+        kwargs["critic_trust_remote_code"] = models.critic.trust_remote_code or policy_trusted
     return kwargs
+
+
+def _model_dirs(cfg: MilesConfig, model_path: Path) -> dict[str, tuple[Path, bool]]:
+    """Every model directory the run loads, by its key ("models.policy.path", ...): (directory,
+    trust_remote_code), from ``algorithm_models``."""
+    models = algorithm_models(cfg, model_path)
+    dirs = {"models.policy.path": (model_path, cfg.models.policy.trust_remote_code)}
+    for name in ("reference", "teacher", "critic"):
+        if f"{name}_path" in models:
+            dirs[f"models.{name}.path"] = (models[f"{name}_path"], models[f"{name}_trust_remote_code"])
+    return dirs
 
 
 @contextmanager
@@ -536,13 +552,16 @@ def build_inputs(cfg: MilesConfig) -> tuple[RewardFn, DataSource, list]:
     function, training data source, eval prompts).
 
     Raises: RunSetupError with one line naming the key and the fix (a model path that is neither registered nor
-        an HF directory, a bad data file or row, a plugin that does not import or has the wrong signature, ...).
+        an HF directory or ships code it is not trusted to run, a bad data file or row, a plugin that does not
+        import or has the wrong signature, ...).
     """
     from miles.rollout.generate_factory import load_generate_factory
 
     try:
         for key, path in model_paths(cfg).items():
             check_model_path(path, key=key)
+            model = getattr(cfg.models, key.split(".")[1])  # the section of a set path: its own trust_remote_code
+            check_model_code(path, key=key, trusted=model.trust_remote_code)
         load_algorithm_plugins(cfg.algorithm)
         load_generate_factory(cfg.rollout)  # rollout.generate_path and rollout.multi_turn.tools import and fit
         if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -649,8 +668,11 @@ def evaluate_model(cfg: MilesConfig, *, log_dir: Path) -> dict[str, float]:
         eval_sets = build_eval_sets(cfg)
         model_path = resolve_model_path(cfg.models.policy.path, key="models.policy.path")
         _check_vision_model(cfg, model_path, training=False)
-        tokenizer = load_tokenizer(model_path)
-        launched = launch_engine(cfg.engine, model_path, log_dir=log_dir, seed=cfg.rollout.seed)
+        trusted = cfg.models.policy.trust_remote_code
+        tokenizer = load_tokenizer(model_path, trust_remote_code=trusted)
+        launched = launch_engine(
+            cfg.engine, model_path, log_dir=log_dir, seed=cfg.rollout.seed, trust_remote_code=trusted
+        )
         stack.callback(launched.close)
         generate_group = build_rollout(cfg, launched.engine, tokenizer)
         eval_generate_group = build_eval_rollout(cfg, launched.engine, tokenizer)
@@ -749,7 +771,8 @@ def run(
         _check_packed_layout(cfg, model_path)
         _check_routing_model(cfg, model_path)
         t0 = time.perf_counter()
-        tokenizer = load_tokenizer(model_path)  # a VisionProcessor for a vision-language policy
+        # a VisionProcessor for a vision-language policy
+        tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.models.policy.trust_remote_code)
         ray_mode = cfg.execution.mode == "ray"
         engine_placement = None
         if ray_mode:  # first: a cluster that cannot start or place the trainer fails before any server starts
@@ -767,6 +790,7 @@ def run(
             engine_placement=engine_placement,
             weight_dir=run_dir.parent / f".{run_dir.name}.weights",  # engine.weight_transfer disk, removed at the end
             lora_rank=_adapter_rank(cfg),
+            trust_remote_code=cfg.models.policy.trust_remote_code,
         )
         stack.callback(launched.close)
         engine = launched.engine
@@ -1012,7 +1036,10 @@ def _check_qat_model(cfg: MilesConfig, model_path: Path) -> None:
     from transformers import AutoConfig
 
     try:
-        check_qat_model(AutoConfig.from_pretrained(model_path), cfg.train.qat)
+        trusted = cfg.models.policy.trust_remote_code
+        check_qat_model(
+            AutoConfig.from_pretrained(model_path, trust_remote_code=trusted), cfg.train.qat, trust_remote_code=trusted
+        )
     except ValueError as err:
         raise RunSetupError(f"models.policy.path ({model_path}): {err}") from None
 
@@ -1028,9 +1055,9 @@ def _check_routing_model(cfg: MilesConfig, model_path: Path) -> None:
     from miles.core.routing_replay import routing_layout
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.models.policy.trust_remote_code)
     with torch.device("meta"):
-        model = auto_model_class(config).from_config(config)
+        model = auto_model_class(config).from_config(config, trust_remote_code=cfg.models.policy.trust_remote_code)
     try:
         layout = routing_layout(model)
     except ValueError as err:
@@ -1053,12 +1080,8 @@ def _check_packed_layout(cfg: MilesConfig, model_path: Path) -> None:
     from miles.core.log_probs import packing_refusal
     from transformers import AutoConfig
 
-    paths = {"models.policy.path": model_path}
-    for key, value in algorithm_models(cfg, model_path).items():
-        if key.endswith("_path"):
-            paths[f"models.{key.removesuffix('_path')}.path"] = value
-    for key, path in paths.items():
-        if (refusal := packing_refusal(AutoConfig.from_pretrained(path))) is not None:
+    for key, (path, trusted) in _model_dirs(cfg, model_path).items():
+        if (refusal := packing_refusal(AutoConfig.from_pretrained(path, trust_remote_code=trusted))) is not None:
             raise RunSetupError(
                 f"{key} ({path}): train.batch_layout packed: {refusal}; set --train.batch-layout padded"
             )
@@ -1106,7 +1129,7 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
     from miles.core.multimodal import is_multimodal_config
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.models.policy.trust_remote_code)
     if not is_multimodal_config(config):
         if _feeds_images(cfg):
             raise RunSetupError(
@@ -1171,7 +1194,7 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
         path = getattr(section, "path", "") if section is not None else ""
         if path:
             other = resolve_model_path(path, key=key)
-            if not is_multimodal_config(AutoConfig.from_pretrained(other)):
+            if not is_multimodal_config(AutoConfig.from_pretrained(other, trust_remote_code=section.trust_remote_code)):
                 raise RunSetupError(f"{where} but {key} ({other}) is text-only: it cannot score image prompts")
 
 
@@ -1180,12 +1203,10 @@ def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:
     ``train.megatron``'s parallel sizes, or a missing megatron-core (``RunSetupError``)."""
     from miles.train.megatron.convert import check_model_dir
 
-    paths = {"models.policy.path": model_path}
-    models = algorithm_models(cfg, model_path)
-    for key in ("reference", "teacher"):
-        if f"{key}_path" in models:
-            paths[f"models.{key}.path"] = models[f"{key}_path"]
-    for key, path in paths.items():
+    dirs = _model_dirs(cfg, model_path)
+    for key, (path, trusted) in dirs.items():
+        if key == "models.critic.path":  # refused by the backend itself (no critic on Megatron yet)
+            continue
         try:
             check_model_dir(
                 path,
@@ -1193,6 +1214,7 @@ def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:
                 expert_parallel=cfg.train.megatron.expert_parallel_size,
                 pipeline_parallel=cfg.train.megatron.pipeline_parallel_size,
                 key=key,
+                trust_remote_code=trusted,
             )
         except ValueError as err:
             raise RunSetupError(str(err)) from None
@@ -1200,7 +1222,7 @@ def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:
         from miles.train.megatron.convert import is_moe
         from transformers import AutoConfig
 
-        if is_moe(AutoConfig.from_pretrained(model_path)):
+        if is_moe(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.models.policy.trust_remote_code)):
             raise RunSetupError(
                 f"models.policy.path ({model_path}) is an MoE model: train.backend megatron does not support "
                 "train.lora on MoE models yet; use --train.backend fsdp2 or --train.lora off"

@@ -53,23 +53,24 @@ class VisionProcessor:
         self._render_lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> VisionProcessor:
+    def from_pretrained(cls, path: str | Path, *, trust_remote_code: bool = False) -> VisionProcessor:
         """The processor of the VLM at ``path``: its tokenizer, image processor and chat template (the tokenizer's,
         else ``chat_template.jinja`` / ``chat_template.json`` beside it, where Qwen-VL models keep it).
+        ``trust_remote_code`` runs the model's own classes (``auto_map``), as ``models.policy.trust_remote_code``.
 
         Raises: ValueError when the model is not a vision-language model or has no chat template.
         """
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         if not is_multimodal_config(config):
             raise ValueError(f"the model at {path} has no vision tower (no vision_config); it takes text prompts only")
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         if not tokenizer.chat_template:
             tokenizer.chat_template = _read_chat_template(Path(path))
         if not tokenizer.chat_template:
             raise ValueError(f"the model at {path} has no chat template; a multimodal prompt needs one")
-        image_processor = AutoImageProcessor.from_pretrained(path)
+        image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
         return cls(
             tokenizer,
             image_processor,
@@ -244,13 +245,14 @@ def is_file_path(text: str | Path) -> bool:
         return False
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """The policy's tokenizer: a ``VisionProcessor`` for a vision-language model, else ``AutoTokenizer``'s."""
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    """The policy's tokenizer: a ``VisionProcessor`` for a vision-language model, else ``AutoTokenizer``'s.
+    ``trust_remote_code`` runs the checkpoint's own classes (``auto_map``), as ``models.policy.trust_remote_code``."""
     from transformers import AutoConfig, AutoTokenizer
 
-    if is_multimodal_config(AutoConfig.from_pretrained(path)):
-        return VisionProcessor.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    if is_multimodal_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)):
+        return VisionProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def _read_chat_template(path: Path) -> str | None:

@@ -65,6 +65,7 @@ from miles.core.protocols import GenerateRequest
 from miles.rollout.engines.adapters import is_adapter_name, read_adapter_dir
 from miles.rollout.engines.embedded import EmbeddedEngine, WeightsReleasedError
 from miles.rollout.engines.sglang_api import generate_response, parse_generate_request, parse_weight_version
+from miles.rollout.remote_code import check_remote_code
 from miles.sync.disk import MANIFEST, read_hf_weights, read_manifest, read_weights
 from miles.sync.transports.distributed import init_weight_group
 
@@ -98,8 +99,9 @@ class ServeState:
         return str(self.engine.weight_version)
 
 
-def create_app(engine: EmbeddedEngine, *, model_path: str) -> FastAPI:
-    """The FastAPI app over ``engine`` (one process, one engine)."""
+def create_app(engine: EmbeddedEngine, *, model_path: str, trust_remote_code: bool = False) -> FastAPI:
+    """The FastAPI app over ``engine`` (one process, one engine); ``trust_remote_code`` as the engine was built
+    (a vision-language model's processor is loaded here)."""
     app = FastAPI(title="miles serve")
     app.state.serve = state = ServeState(
         engine,
@@ -110,7 +112,7 @@ def create_app(engine: EmbeddedEngine, *, model_path: str) -> FastAPI:
     if engine.multimodal:  # the same processor as the trainer's renders: same pixels from the same image files
         from miles.rollout.multimodal import VisionProcessor
 
-        state.processor = VisionProcessor.from_pretrained(model_path)
+        state.processor = VisionProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
     def sleep_before_forward(module: Any, args: Any) -> None:
         if state.forward_sleep_s > 0:
@@ -728,6 +730,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="record each token's MoE experts (routing replay, R3) for /generate's return_routed_experts "
         "(SGLang's flag)",
     )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="load the model's own Python code (auto_map in its config.json / tokenizer_config.json), as SGLang's "
+        "and vLLM's flag; that code runs with this server's permissions: pass it only for files you trust",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser.parse_args(argv)
 
@@ -741,6 +749,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (Path(args.model) / "config.json").is_file():
         print(f"miles serve: --model {args.model} is not a HF model directory (no config.json)", file=sys.stderr)  # noqa: T201
         return 2
+    try:
+        check_remote_code(args.model, trusted=args.trust_remote_code, where="--model", fix="pass --trust-remote-code")
+    except ValueError as err:
+        print(f"miles serve: {err}", file=sys.stderr)  # noqa: T201
+        return 2
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)  # the engine draws its request seeds from torch's RNG once
     try:
@@ -751,11 +764,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             stop_token_ids=args.stop_token_ids,
             logprob_mode=args.logprob_mode,
             routed_experts=args.enable_return_routed_experts,
+            trust_remote_code=args.trust_remote_code,
         )
     except ValueError as err:
         print(f"miles serve: {err}", file=sys.stderr)  # noqa: T201
         return 2
-    app = create_app(engine, model_path=str(args.model))
+    app = create_app(engine, model_path=str(args.model), trust_remote_code=args.trust_remote_code)
     logger.info("serving %s (%s, %s log-probs) on http://%s:%d", args.model, args.dtype, args.logprob_mode,
                 args.host, args.port)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -95,14 +95,14 @@ def qat_targets(model: nn.Module, codec: str, *, codec_exclude: Iterable[str] = 
     return quantized
 
 
-def check_qat_model(config: object, codec: str) -> int:
+def check_qat_model(config: object, codec: str, *, trust_remote_code: bool = False) -> int:
     """``qat_targets`` of the model an HF ``config`` describes, built on the meta device (no weights read, no
-    memory): the run's check before anything loads. Returns: how many weights QAT covers. Raises: ValueError as
-    ``apply_qat``."""
+    memory): the run's check before anything loads (``trust_remote_code``: the policy's, for a model class of the
+    checkpoint's own). Returns: how many weights QAT covers. Raises: ValueError as ``apply_qat``."""
     from miles.core.multimodal import auto_model_class
 
     with torch.device("meta"):
-        model = auto_model_class(config).from_config(config)
+        model = auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code)
     return len(qat_targets(model, codec))
 
 

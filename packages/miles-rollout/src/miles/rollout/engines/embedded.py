@@ -163,6 +163,8 @@ class EmbeddedEngine:
             (fp8, mxfp8, nvfp4, int4) also quantizes the weights loaded from ``model_path`` the same way
             (``miles.sync.roundtrip`` of what ``uses_codec`` selects), so that every version the engine samples with
             holds the codec's values: a quantized-weight engine emulated by dequantized weights.
+        trust_remote_code: run the model's own code (``auto_map`` in its config.json), as
+            ``models.policy.trust_remote_code``.
     Raises: ValueError for an unknown dtype, logprob_mode or weight_codec, max_batch_size < 1, a path without a
         model, or routed_experts for a model without MoE routers.
 
@@ -192,6 +194,7 @@ class EmbeddedEngine:
         continuous: bool = True,
         routed_experts: bool = False,
         weight_codec: str = "identity",
+        trust_remote_code: bool = False,
     ) -> None:
         from miles.core.precision import resolve_dtype
         from miles.sync import DEFAULT_CODEC_EXCLUDE, get_codec, roundtrip, uses_codec
@@ -205,7 +208,7 @@ class EmbeddedEngine:
             raise ValueError(f"engine max_batch_size is {max_batch_size}; it must be >= 1")
         codec = get_codec(weight_codec)
         warn_if_slow_bf16(DTYPES[dtype], logger, where="engine.dtype")
-        self.model = load_policy_model(model_path, dtype=DTYPES[dtype]).eval()
+        self.model = load_policy_model(model_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).eval()
         self.model.requires_grad_(False)
         self.weight_codec = codec.name
         with torch.no_grad():  # the loaded weights as the codec carries them, as every later update is

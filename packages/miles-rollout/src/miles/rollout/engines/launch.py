@@ -263,6 +263,7 @@ def launch_engine(
     engine_placement: Any = None,
     weight_dir: str | Path | None = None,
     lora_rank: int = 0,
+    trust_remote_code: bool = False,
 ) -> LaunchedEngine:
     """Start the engine ``cfg`` (the ``engine`` config section) describes, for the model at ``model_path``.
 
@@ -286,6 +287,8 @@ def launch_engine(
             (vLLM / SGLang: servers started with runtime LoRA loading, adapter versions written beside the run as
             with ``engine.weight_transfer`` disk; the embedded engine and ``miles serve`` take adapters as they
             come); 0 = full weights.
+        trust_remote_code: ``models.policy.trust_remote_code``: the engine runs the model's own code (the
+            embedded engine's ``from_pretrained``, the servers' ``--trust-remote-code``).
     ``engine.dtype`` auto is decided here for this machine (``miles.core.precision.resolve_dtype``).
     Raises: ServerStartError (one message with the server's log tail and the fix) when a server does not start;
         EngineRestartError (its actor's error) when a server actor does not start.
@@ -294,12 +297,13 @@ def launch_engine(
 
     cfg = cfg.model_copy(update={"dtype": resolve_dtype(cfg.dtype)})  # engine.dtype auto, decided for this machine
     if isinstance(cfg, EmbeddedEngineConfig):
-        return _embedded(cfg, model_path)
+        return _embedded(cfg, model_path, trust_remote_code=trust_remote_code)
     disk_root = _disk_root(cfg, weight_dir, log_dir, adapters=bool(lora_rank))
     if isinstance(cfg, VLLMEngineConfig):
         launched = _vllm(
             cfg, model_path, Path(log_dir), seed, remote_sink=remote_sink, disk_root=disk_root,
             server_actors=server_actors, engine_placement=engine_placement, lora_rank=lora_rank,
+            trust_remote_code=trust_remote_code,
         )  # fmt: skip
     elif isinstance(cfg, SGLangEngineConfig):
         launched = _sglang(
@@ -312,6 +316,7 @@ def launch_engine(
             engine_placement=engine_placement,
             disk_root=disk_root,
             lora_rank=lora_rank,
+            trust_remote_code=trust_remote_code,
         )
     else:
         raise TypeError(f"unknown engine config {type(cfg).__name__}")
@@ -328,7 +333,7 @@ def _disk_root(cfg: Any, weight_dir: str | Path | None, log_dir: str | Path, *, 
     return str(Path(cfg.weight_dir or weight_dir or Path(log_dir) / "weights").resolve())
 
 
-def _embedded(cfg: EmbeddedEngineConfig, model_path: str | Path) -> LaunchedEngine:
+def _embedded(cfg: EmbeddedEngineConfig, model_path: str | Path, *, trust_remote_code: bool) -> LaunchedEngine:
     from miles.rollout.engines.embedded import EmbeddedEngine
     from miles.sync import InProcessTransport, WeightSender
 
@@ -339,6 +344,7 @@ def _embedded(cfg: EmbeddedEngineConfig, model_path: str | Path) -> LaunchedEngi
         logprob_mode=cfg.logprob_mode,
         routed_experts=cfg.routed_experts,
         weight_codec=cfg.weight_codec,
+        trust_remote_code=trust_remote_code,
     )
     sender = WeightSender(InProcessTransport(engine.receiver), codec=cfg.weight_codec, delta=cfg.delta_weights)
     extras = [f"{cfg.weight_codec} weights"] if cfg.weight_codec != "identity" else []
@@ -365,6 +371,7 @@ def _vllm(
     server_actors: bool = False,
     engine_placement: Any = None,
     lora_rank: int = 0,
+    trust_remote_code: bool = False,
 ) -> LaunchedEngine:
     from miles.rollout.engines.vllm import VLLMEngine, image_token_id, launch_vllm_servers
 
@@ -373,7 +380,14 @@ def _vllm(
     launched = LaunchedEngine(None, None, "")
     if server_actors and not urls:
         urls = _start_vllm_actors(
-            cfg, model_path, log_dir, launched, seed, engine_placement=engine_placement, lora_rank=lora_rank
+            cfg,
+            model_path,
+            log_dir,
+            launched,
+            seed,
+            engine_placement=engine_placement,
+            lora_rank=lora_rank,
+            trust_remote_code=trust_remote_code,
         )
     elif not urls:
         servers = launch_vllm_servers(
@@ -389,6 +403,7 @@ def _vllm(
             max_model_len=cfg.max_model_len,
             enforce_eager=cfg.enforce_eager,
             seed=seed,
+            trust_remote_code=trust_remote_code,
             extra_args=[*_lora_args(lora_rank), *cfg.extra_args],
         )
         urls = [server.url for server in servers]
@@ -466,6 +481,7 @@ def _start_vllm_actors(
     *,
     engine_placement: Any = None,
     lora_rank: int = 0,
+    trust_remote_code: bool = False,
 ) -> list[str]:
     """Start ``cfg.num_servers`` vLLM servers, each owned by a ``ServerActor`` (see ``_own_by_actors``); a
     restarted one starts paused (``/pause?mode=keep``) until the supervisor has resynced and resumed it.
@@ -481,7 +497,13 @@ def _start_vllm_actors(
     has_torchvision = check_vllm_installed(cfg.python or default_vllm_python())
     specs = []
     planned = planned_servers(
-        cfg, model_path, seed, ports=_server_ports(cfg), lora_rank=lora_rank, no_torchvision=not has_torchvision
+        cfg,
+        model_path,
+        seed,
+        ports=_server_ports(cfg),
+        lora_rank=lora_rank,
+        no_torchvision=not has_torchvision,
+        trust_remote_code=trust_remote_code,
     )
     for i, server in enumerate(planned):
         specs.append(
@@ -539,6 +561,7 @@ def _sglang(
     engine_placement: Any = None,
     disk_root: str,
     lora_rank: int = 0,
+    trust_remote_code: bool = False,
 ) -> LaunchedEngine:
     from miles.rollout.engines.server import ServerStartError
     from miles.rollout.engines.sglang import SGLangDiskWeightSink, SGLangEngine, SGLangWeightSink
@@ -557,14 +580,14 @@ def _sglang(
                 router_url = _start_router(cfg, [], log_dir, launched)
             urls = _start_server_actors(
                 cfg, model_path, log_dir, launched, router_url=router_url, colocate_with=colocate_with,
-                engine_placement=engine_placement,
+                engine_placement=engine_placement, trust_remote_code=trust_remote_code,
             )  # fmt: skip
             if launched.router is not None:
                 for url in urls:
                     launched.router.add_worker(url)
         else:
             if not urls:
-                urls = _start_server_processes(cfg, model_path, log_dir, launched)
+                urls = _start_server_processes(cfg, model_path, log_dir, launched, trust_remote_code=trust_remote_code)
             if cfg.router:
                 from miles.rollout.engines.router import WorkerMonitor
 
@@ -612,9 +635,12 @@ def _sglang(
     return launched
 
 
-def _server_command(cfg: SGLangEngineConfig, model_path: str | Path, port: int | str, i: int) -> tuple[list[str], str]:
+def _server_command(
+    cfg: SGLangEngineConfig, model_path: str | Path, port: int | str, i: int, *, trust_remote_code: bool = False
+) -> tuple[list[str], str]:
     """(argv, name) of server ``i`` at ``port``: miles serve or SGLang."""
     from miles.rollout.engines.sglang import launch_command
+    from miles.rollout.remote_code import TRUST_REMOTE_CODE_EXTRA_ARG, TRUST_REMOTE_CODE_FLAG
 
     if cfg.server == "miles":
         command = [
@@ -626,13 +652,19 @@ def _server_command(cfg: SGLangEngineConfig, model_path: str | Path, port: int |
             "--max-batch-size", str(cfg.max_batch_size),
             "--logprob-mode", cfg.logprob_mode,
             *(["--enable-return-routed-experts"] if cfg.routed_experts else []),
+            *([TRUST_REMOTE_CODE_FLAG] if trust_remote_code else []),
             *cfg.extra_args,
         ]  # fmt: skip
+        if TRUST_REMOTE_CODE_FLAG in cfg.extra_args:
+            raise ValueError(TRUST_REMOTE_CODE_EXTRA_ARG)
         return command, f"miles serve {i}"
     extra = list(cfg.extra_args)
     if cfg.routed_experts and "--enable-return-routed-experts" not in extra:
         extra.insert(0, "--enable-return-routed-experts")
-    command = launch_command(model_path, host=cfg.host, port=port, python=cfg.python, dtype=cfg.dtype, extra_args=extra)
+    command = launch_command(
+        model_path, host=cfg.host, port=port, python=cfg.python, dtype=cfg.dtype, trust_remote_code=trust_remote_code,
+        extra_args=extra,
+    )  # fmt: skip
     return command, f"SGLang server {i}"
 
 
@@ -674,6 +706,7 @@ def planned_servers(
     ports: list[int] | list[str],
     lora_rank: int = 0,
     no_torchvision: bool = False,
+    trust_remote_code: bool = False,
 ) -> list[PlannedServer]:
     """The server processes a vLLM / SGLang-API engine config starts, one per port: the single place their command
     lines and environments are built (local processes, Ray server actors and ``miles train --dry-run`` use it).
@@ -686,6 +719,7 @@ def planned_servers(
         lora_rank: the trainer's LoRA rank when adapters are synced (adds the servers' adapter flags), else 0.
         no_torchvision: the vLLM environment lacks torchvision (``check_vllm_installed``): a vision-language
             model's servers get ``vllm_env(no_torchvision=True)``.
+        trust_remote_code: ``models.policy.trust_remote_code``: each server gets ``--trust-remote-code``.
     Returns: ``cfg.num_servers`` planned servers, in order.
     """
     if isinstance(cfg, VLLMEngineConfig):
@@ -708,6 +742,7 @@ def planned_servers(
                     enforce_eager=cfg.enforce_eager,
                     seed=seed,
                     vision=vision,
+                    trust_remote_code=trust_remote_code,
                     extra_args=[*_lora_args(lora_rank), *cfg.extra_args],
                 ),
                 env,
@@ -718,7 +753,7 @@ def planned_servers(
     cfg = _with_sglang_lora_args(cfg, lora_rank)
     planned = []
     for i, port in enumerate(ports):
-        argv, name = _server_command(cfg, model_path, port, i)
+        argv, name = _server_command(cfg, model_path, port, i, trust_remote_code=trust_remote_code)
         planned.append(PlannedServer(name, argv, _server_env(cfg), port))
     return planned
 
@@ -734,14 +769,15 @@ def _with_sglang_lora_args(cfg: SGLangEngineConfig, lora_rank: int) -> SGLangEng
 
 
 def _start_server_processes(
-    cfg: SGLangEngineConfig, model_path: str | Path, log_dir: Path, launched: LaunchedEngine
+    cfg: SGLangEngineConfig, model_path: str | Path, log_dir: Path, launched: LaunchedEngine, *, trust_remote_code: bool
 ) -> list[str]:
     """Start ``cfg.num_servers`` servers as processes of this one (local mode); returns their URLs."""
     from miles.rollout.engines.server import ServerProcess
 
     urls = []
     hint = _server_start_hint(cfg)
-    for i, planned in enumerate(planned_servers(cfg, model_path, 0, ports=_server_ports(cfg))):
+    planned_list = planned_servers(cfg, model_path, 0, ports=_server_ports(cfg), trust_remote_code=trust_remote_code)
+    for i, planned in enumerate(planned_list):
         server = ServerProcess(
             planned.name,
             planned.argv,
@@ -768,6 +804,7 @@ def _start_server_actors(
     router_url: str | None,
     colocate_with: Any = None,
     engine_placement: Any = None,
+    trust_remote_code: bool = False,
 ) -> list[str]:
     """Start ``cfg.num_servers`` servers, each owned by a ``ServerActor`` at a fixed port (Ray restarts it);
     returns their URLs. Needs the Ray session.
@@ -788,7 +825,8 @@ def _start_server_actors(
     from miles.rollout.engines.server_actor import ServerSpec
 
     specs = []
-    for i, planned in enumerate(planned_servers(cfg, model_path, 0, ports=_server_ports(cfg))):
+    planned_list = planned_servers(cfg, model_path, 0, ports=_server_ports(cfg), trust_remote_code=trust_remote_code)
+    for i, planned in enumerate(planned_list):
         specs.append(
             ServerSpec(
                 planned.name,

@@ -37,6 +37,7 @@ import httpx
 from miles.core.protocols import GenerateOutput, GenerateRequest, PauseMode, RequestFailed
 from miles.core.publisher import run_sync
 from miles.rollout.engines.sglang_api import generate_payload, parse_generate_response, parse_weight_version
+from miles.rollout.remote_code import TRUST_REMOTE_CODE_EXTRA_ARG, TRUST_REMOTE_CODE_FLAG
 from miles.sync import WeightUpdateError, next_version
 from torch import Tensor
 
@@ -58,17 +59,19 @@ def launch_command(
     port: int = 30000,
     python: str | None = None,
     dtype: str | None = None,
+    trust_remote_code: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The argv of ``python -m sglang.launch_server --model-path ... --host ... --port ... [--dtype ...]`` plus
-    ``extra_args``.
+    """The argv of ``python -m sglang.launch_server --model-path ... --host ... --port ... [--dtype ...]
+    [--trust-remote-code]`` plus ``extra_args``.
 
     ``python`` defaults to this interpreter. ``dtype`` is Miles' name ("fp32", "bf16", "fp16"; ``engine.dtype``),
     sent as SGLang's (float32, bfloat16, float16); None leaves SGLang's default (the checkpoint's dtype). Extra
     arguments may use slime's ``--sglang-`` prefix (``--sglang-mem-fraction-static 0.8`` becomes
     ``--mem-fraction-static 0.8``, ``--sglang-x=1`` becomes ``--x=1``); other tokens pass through unchanged.
-    Raises: ValueError if ``extra_args`` sets the model path, host, port or dtype (they are arguments here), or for
-        an unknown ``dtype``.
+    ``trust_remote_code`` lets the server run the model's own code (``models.policy.trust_remote_code``).
+    Raises: ValueError if ``extra_args`` sets the model path, host, port, dtype or trust-remote-code (they are
+        arguments here), or for an unknown ``dtype``.
     """
     extra: list[str] = []
     for arg in map(str, extra_args):
@@ -79,12 +82,16 @@ def launch_command(
             raise ValueError(f"launch_command: extra_args sets {flag}; pass model_path, host and port as arguments")
         if flag == "--dtype":
             raise ValueError("engine.extra_args sets --dtype; set engine.dtype (fp32, bf16, fp16) instead")
+        if flag == TRUST_REMOTE_CODE_FLAG:
+            raise ValueError(TRUST_REMOTE_CODE_EXTRA_ARG)
         extra.append(arg)
     server = ["-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port)]
     if dtype is not None:
         if dtype not in SGLANG_DTYPES:
             raise ValueError(f"engine.dtype must be one of {sorted(SGLANG_DTYPES)} here, got {dtype!r}")
         server += ["--dtype", SGLANG_DTYPES[dtype]]
+    if trust_remote_code:
+        server.append(TRUST_REMOTE_CODE_FLAG)
     return [python or sys.executable, *server, *extra]
 
 

@@ -45,6 +45,7 @@ from miles.core.publisher import run_sync
 from miles.rollout.engines.server import ServerProcess, ServerStartError, free_port
 from miles.rollout.engines.sglang_api import parse_weight_version
 from miles.rollout.engines.vllm_images import GENERATE_PATH, VISION_SERVER_ARGS, image_request_body, parse_generate
+from miles.rollout.remote_code import TRUST_REMOTE_CODE_EXTRA_ARG, TRUST_REMOTE_CODE_FLAG
 from miles.sync import WeightSender, WeightUpdateError
 from miles.sync.sender import PushStats
 from miles.sync.transports.distributed import DistributedTransport, init_weight_group
@@ -88,6 +89,7 @@ def vllm_command(
     max_num_batched_tokens: int = 8192,
     seed: int = 0,
     vision: bool = False,
+    trust_remote_code: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """argv of one vLLM OpenAI-compatible server with Miles' RL settings.
@@ -100,11 +102,14 @@ def vllm_command(
             batch's prompts exceed it (measured on vLLM 0.32), so it is raised above vLLM's CPU default of 2048.
         vision: the model is a vision-language model: turn on the endpoint image prompts go to, without videos
             (``vllm_images.VISION_SERVER_ARGS``); text servers' command line stays as it was.
+        trust_remote_code: ``--trust-remote-code``, the model's own code runs (``models.policy.trust_remote_code``).
         extra_args: appended verbatim (they win over the ones above).
-    Raises: ValueError for an unknown dtype.
+    Raises: ValueError for an unknown dtype, or ``--trust-remote-code`` in ``extra_args``.
     """
     if dtype not in DTYPES:
         raise ValueError(f"engine.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if TRUST_REMOTE_CODE_FLAG in extra_args:
+        raise ValueError(TRUST_REMOTE_CODE_EXTRA_ARG)
     command = [
         python or sys.executable,
         "-m",
@@ -135,6 +140,8 @@ def vllm_command(
         command.append("--enforce-eager")
     if vision:
         command.extend(VISION_SERVER_ARGS)
+    if trust_remote_code:
+        command.append(TRUST_REMOTE_CODE_FLAG)
     return command + list(extra_args)
 
 

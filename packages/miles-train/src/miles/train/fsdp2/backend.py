@@ -79,6 +79,8 @@ class FSDP2Backend:
         critic_lr: the critic's peak learning rate (``models.critic.lr``).
         weight_sink: where ``push_weights`` sends the full weights (rank 0's sender; None on other ranks, which
             still take part in the gather).
+        trust_remote_code, reference_trust_remote_code, teacher_trust_remote_code, critic_trust_remote_code: run
+            that model's own code (``auto_map`` in its config.json), as ``models.*.trust_remote_code``.
     """
 
     def __init__(
@@ -93,6 +95,10 @@ class FSDP2Backend:
         critic_path: str | Path | None = None,
         critic_lr: float = 1e-5,
         weight_sink: WeightSink | None = None,
+        trust_remote_code: bool = False,
+        reference_trust_remote_code: bool = False,
+        teacher_trust_remote_code: bool = False,
+        critic_trust_remote_code: bool = False,
     ) -> None:
         from miles.core.multimodal import load_policy_model
         from miles.train.fsdp2.parallelize import parallelize
@@ -105,7 +111,7 @@ class FSDP2Backend:
         self.model_path = Path(model_path)
         self.weight_sink = weight_sink
         warn_if_slow_bf16(torch_dtype(train.dtype), logger, where="train.dtype")
-        model = load_policy_model(model_path, dtype=torch.float32)
+        model = load_policy_model(model_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
         model.config.use_cache = False
         _packed_attention(model, train.batch_layout)
         if train.freeze_vision_tower:
@@ -136,12 +142,16 @@ class FSDP2Backend:
             and (Path(reference_path).resolve() == self.model_path.resolve())
         )
         if reference_path is not None and not self.ref_is_base:  # frozen, unsharded, no grad; same vocabulary
-            self.ref_model = load_policy_model(reference_path, dtype=torch_dtype(train.dtype)).eval()
+            self.ref_model = load_policy_model(
+                reference_path, dtype=torch_dtype(train.dtype), trust_remote_code=reference_trust_remote_code
+            ).eval()
             self.ref_model.requires_grad_(False)
             _packed_attention(self.ref_model, train.batch_layout)
         self.teacher_model = None
         if teacher_path is not None:  # frozen, unsharded, no grad; same vocabulary as the policy
-            self.teacher_model = load_policy_model(teacher_path, dtype=torch_dtype(train.dtype)).eval()
+            self.teacher_model = load_policy_model(
+                teacher_path, dtype=torch_dtype(train.dtype), trust_remote_code=teacher_trust_remote_code
+            ).eval()
             self.teacher_model.requires_grad_(False)
             _packed_attention(self.teacher_model, train.batch_layout)
         self.critic = None
@@ -157,6 +167,7 @@ class FSDP2Backend:
                 grad_clip=train.grad_clip,
                 warmup_steps=train.warmup_steps,
                 skip_nonfinite_steps=train.skip_nonfinite_steps,
+                trust_remote_code=critic_trust_remote_code,
             )
         self.step = 0
         self.num_skipped_steps = 0

@@ -50,6 +50,7 @@ class Critic:
         warmup_steps: linear LR warmup over this many critic steps, as the policy's (``train.warmup_steps``).
         skip_nonfinite_steps: skip a step with a NaN/inf loss or grad norm (True) or raise (False), as the
             policy's (``train.skip_nonfinite_steps``); a non-finite step is never applied.
+        trust_remote_code: run the backbone's own code (``auto_map``), as ``models.critic.trust_remote_code``.
     """
 
     def __init__(
@@ -63,11 +64,14 @@ class Critic:
         grad_clip: float,
         warmup_steps: int,
         skip_nonfinite_steps: bool,
+        trust_remote_code: bool = False,
     ) -> None:
         from miles.train.fsdp2.parallelize import parallelize
         from transformers import AutoModelForTokenClassification
 
-        model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32)
+        model = AutoModelForTokenClassification.from_pretrained(
+            model_path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
         model.config.use_cache = False
         # The head is nn.Linear(H, 1) with a bias: on a 3-D input torch runs addmm on the flattened input and returns
         # a view of the result, so FSDP2 warns that the critic "returned a view tensor" (an in-place op on it would

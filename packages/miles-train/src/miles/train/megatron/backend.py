@@ -308,7 +308,8 @@ class MegatronBackend:
     """``TrainBackend`` on Megatron-core: every rank of the current process group constructs one.
 
     Arguments as ``FSDP2Backend`` (model_path, train, temperature, reference_path, teacher_path,
-    teacher_temperature, weight_sink); the tensor-parallel size is ``train.megatron.tensor_parallel_size``.
+    teacher_temperature, weight_sink, the models' trust_remote_code); the tensor-parallel size is
+    ``train.megatron.tensor_parallel_size``.
     The reference and teacher are frozen ``GPTModel``s with the same tensor-parallel layout.
 
     With ``train.lora`` the targeted linears get adapters that follow their tensor-parallel split
@@ -334,6 +335,10 @@ class MegatronBackend:
         critic_path: str | Path | None = None,
         critic_lr: float = 1e-5,
         weight_sink: WeightSink | None = None,
+        trust_remote_code: bool = False,
+        reference_trust_remote_code: bool = False,
+        teacher_trust_remote_code: bool = False,
+        critic_trust_remote_code: bool = False,
     ) -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -371,13 +376,14 @@ class MegatronBackend:
         self.temperature, self.teacher_temperature = temperature, teacher_temperature
         self.model_path = Path(model_path)
         self.weight_sink = weight_sink
-        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.trust_remote_code = trust_remote_code
+        self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         if lora is not None and convert.is_moe(self.hf_config):
             raise ValueError(
                 "train.backend megatron does not support train.lora on MoE models yet; use --train.backend fsdp2 "
                 "or --train.lora off"
             )
-        self.gpt = self._build(model_path)
+        self.gpt = self._build(model_path, trust_remote_code=trust_remote_code)
         self.lora_layers: dict[str, megatron_lora.LoraParallelLinear] = {}
         if lora is not None:
             self.lora_layers = megatron_lora.apply_lora(
@@ -408,19 +414,22 @@ class MegatronBackend:
         )
         self.ref_model = None
         if reference_path is not None and not self.ref_is_base:
-            self.ref_model = self._build(reference_path, frozen=True)
-        self.teacher_model = self._build(teacher_path, frozen=True) if teacher_path is not None else None
+            self.ref_model = self._build(reference_path, frozen=True, trust_remote_code=reference_trust_remote_code)
+        self.teacher_model = None
+        if teacher_path is not None:
+            self.teacher_model = self._build(teacher_path, frozen=True, trust_remote_code=teacher_trust_remote_code)
         self.step = 0
         self.num_skipped_steps = 0
         self._pending_loss = 0.0
         self._grads_final = True
 
-    def _build(self, path: str | Path, *, frozen: bool = False) -> torch.nn.Module:
-        """A ``GPTModel`` holding this rank's shards of the HF model at ``path``."""
+    def _build(self, path: str | Path, *, frozen: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
+        """A ``GPTModel`` holding this rank's shards of the HF model at ``path`` (``trust_remote_code``: its
+        ``models.*.trust_remote_code``)."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        hf_config = self.hf_config if Path(path) == self.model_path else _hf_config(path)
+        hf_config = self.hf_config if Path(path) == self.model_path else _hf_config(path, trust_remote_code)
         config = convert.config_class(hf_config)(
             **convert.transformer_config_kwargs(
                 hf_config,
@@ -448,7 +457,7 @@ class MegatronBackend:
         if convert.is_mla(hf_config):
             tag_mla_down_projections(model)
         model.hf_vocab_size = hf_config.vocab_size
-        self._load_hf(model, _hf_state(path), hf_config)
+        self._load_hf(model, _hf_state(path, trust_remote_code), hf_config)
         if frozen:
             model.eval().requires_grad_(False)
         return model
@@ -1019,10 +1028,10 @@ class MegatronBackend:
                     f"--train.megatron.{key.replace('_', '-')} {saved}"
                 )
         if self.lora_layers:  # the base as the run started it, then the adapters (model/ holds the merged weights)
-            self._load_hf(self.gpt, _hf_state(self.model_path), self.hf_config)
+            self._load_hf(self.gpt, _hf_state(self.model_path, self.trust_remote_code), self.hf_config)
             self._load_adapters(path / "adapter")
         else:
-            self._load_hf(self.gpt, _hf_state(path / "model"), self.hf_config)
+            self._load_hf(self.gpt, _hf_state(path / "model", self.trust_remote_code), self.hf_config)
         state = torch.load(path / "optimizer" / self._optimizer_file, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -1042,14 +1051,15 @@ def _weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
             yield name, buffer
 
 
-def _hf_config(path: str | Path) -> Any:
+def _hf_config(path: str | Path, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def _hf_state(path: str | Path) -> dict[str, Tensor]:
+def _hf_state(path: str | Path, trust_remote_code: bool) -> dict[str, Tensor]:
     """The fp32 state dict of the HF causal LM at ``path`` (tied tensors appear under both names)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    return model.state_dict()

@@ -203,10 +203,17 @@ def moe_layers(hf_config: Any) -> list[int]:
 
 
 def check_model_dir(
-    path: Any, *, tensor_parallel: int, expert_parallel: int, key: str, pipeline_parallel: int = 1
+    path: Any,
+    *,
+    tensor_parallel: int,
+    expert_parallel: int,
+    key: str,
+    pipeline_parallel: int = 1,
+    trust_remote_code: bool = False,
 ) -> None:
     """Check, from its ``config.json`` alone, that the HF model at ``path`` converts with these parallel sizes, and
-    that megatron-core is installed: what would otherwise fail only once the trainer builds.
+    that megatron-core is installed: what would otherwise fail only once the trainer builds. ``trust_remote_code``
+    (the model's ``models.*.trust_remote_code``) lets a config class of the checkpoint's own load.
 
     Raises: ValueError, one line naming ``key`` (the config key of the model) and the fix.
     """
@@ -221,7 +228,7 @@ def check_model_dir(
         )
     try:
         transformer_config_kwargs(
-            AutoConfig.from_pretrained(path),
+            AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
             tensor_parallel=tensor_parallel,
             expert_parallel=expert_parallel,
             pipeline_parallel=pipeline_parallel,
