@@ -61,8 +61,8 @@ def test_fp16_training_and_rollout_run_with_a_loss_scale(tiny_smollm2_dir, tmp_p
             "train.qat is 'int4' with train.lora on",
         ),
         (
-            ["--train.qat", "int4", "--engine.weight-codec", "int4", "--train.backend", "megatron"],
-            "train.backend is 'megatron', which does not support train.qat int4 yet",
+            ["--train.qat", "fp8", "--engine.weight-codec", "fp8", "--train.backend", "megatron"],
+            "train.qat fp8 on train.backend megatron: fp8's blocks span rows .* use --train.qat int4 or mxfp8",
         ),
         (["--engine.weight-codec", "int3"], "weight_codec"),
         (["--train.dtype", "fp16", "--train.backend", "megatron"], "does not support train.dtype fp16 yet"),

@@ -74,3 +74,20 @@ def test_routed_run_through_a_miles_serve_server_replays_its_experts(moe_smollm2
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in rows), rows
     assert all(r["samples/failed"] == 0 for r in rows)  # every answer carried routing of the right shape
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_int4_rollout_of_an_moe_model_matches_megatron_with_int4_qat(moe_smollm2_dirs, tmp_path, monkeypatch, family):
+    """An int4 engine (experts included) with R3 and `--train.qat int4` on Megatron: the trainer computes with the
+    engine's weights, so the int4 mismatch is gone (and the FSDP2 backend, which cannot fake-quantize fused expert
+    tensors, is not needed)."""
+    pytest.importorskip("megatron.core")
+    monkeypatch.syspath_prepend(TINY_RUN_PATH)
+    args = ["--models.policy.path", str(moe_smollm2_dirs(family)), *OVERRIDES, "--train.backend", "megatron",
+            "--engine.weight-codec", "int4", "--train.qat", "int4"]  # fmt: skip
+    run(resolve_config("smollm2_grpo_arithmetic", args), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["grad_norm"] > 0 for r in rows)
+    # as exact weights (< 1e-4 above); int4 without QAT is off by ~1e-3 and more on these models (test_megatron_qat)
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows

@@ -237,3 +237,17 @@ def test_sender_quantizes_matrices_but_keeps_excluded_names_and_integers_exact()
     )
     for name in ("layers.0.input_layernorm.weight", "embed_tokens.weight", "position_ids"):
         assert torch.equal(received[name], state[name]), name
+
+
+def test_default_exclusion_keeps_every_moe_router_tensor_exact():
+    """HF MoE routers (``mlp.gate``): the weight and DeepSeek-V3's score-correction bias (regression: the bias, a
+    float [experts] tensor, matched no pattern and travelled int4 / fp8) stay exact; the experts do not."""
+    from miles.sync import DEFAULT_CODEC_EXCLUDE, uses_codec
+
+    bias = torch.randn(8)
+    for codec in ("int4", "fp8"):
+        assert not uses_codec("model.layers.1.mlp.gate.e_score_correction_bias", bias, codec, DEFAULT_CODEC_EXCLUDE)
+        assert not uses_codec("model.layers.1.mlp.gate.weight", torch.randn(8, 32), codec, DEFAULT_CODEC_EXCLUDE)
+        experts = torch.randn(8, 64, 32)
+        assert uses_codec("model.layers.1.mlp.experts.gate_up_proj", experts, codec, DEFAULT_CODEC_EXCLUDE)
+        assert uses_codec("model.layers.1.mlp.gate_proj.weight", torch.randn(64, 32), codec, DEFAULT_CODEC_EXCLUDE)

@@ -177,7 +177,6 @@ class MilesConfig(BaseModel):
             (lora is not None and lora.dropout > 0, "train.lora.dropout > 0", "--train.lora.dropout 0"),
             (self.models.critic is not None, "a critic (models.critic, advantage gae)", "another advantage estimator"),
             (train.dtype in ("bf16", "fp16"), f"train.dtype {train.dtype}", "--train.dtype fp32"),
-            (train.qat != "none", f"train.qat {train.qat}", "--train.qat none"),
         )
         for is_set, what, fix in refused:
             if is_set:
@@ -185,6 +184,10 @@ class MilesConfig(BaseModel):
                     f"train.backend is 'megatron', which does not support {what} yet: use {fix}, or "
                     "--train.backend fsdp2"
                 )
+        if train.qat != "none":
+            from miles.train.megatron.qat import check_megatron_qat
+
+            check_megatron_qat(train.qat)
         if lora is not None:
             from miles.train.megatron.lora import megatron_targets
 

@@ -1029,8 +1029,9 @@ def _adapter_rank(cfg: MilesConfig) -> int:
 
 def _check_qat_model(cfg: MilesConfig, model_path: Path) -> None:
     """Refuse, in one line and before any model loads, ``train.qat`` on a model with a weight the engine's codec
-    would quantize that QAT cannot fake-quantize (fused MoE expert tensors): from config.json, on the meta device."""
-    if cfg.train.qat == "none":
+    would quantize that QAT cannot fake-quantize (FSDP2: fused MoE expert tensors): from config.json, on the meta
+    device. The Megatron backend holds each expert as its own linear and fake-quantizes it (its check is at build)."""
+    if cfg.train.qat == "none" or cfg.train.backend == "megatron":
         return
     from miles.train.qat import check_qat_model
     from transformers import AutoConfig

@@ -19,9 +19,12 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CODEC_EXCLUDE = (r"norm", r"embed", r"lm_head", r"\.bias$", r"router", r"\.gate\.weight$")
-"""Name patterns kept exact under a lossy codec: norms, embeddings, the LM head, biases and MoE routers are small and
-sensitive to quantization (the usual choice of FP8 RL recipes, e.g. slime's and DeepSeek-V3's)."""
+DEFAULT_CODEC_EXCLUDE = (
+    r"norm", r"embed", r"lm_head", r"\.bias$", r"router", r"\.gate\.weight$", r"\.gate\.e_score_correction_bias$",
+)  # fmt: skip
+"""Name patterns kept exact under a lossy codec: norms, embeddings, the LM head, biases and MoE routers (HF's
+``mlp.gate``: its weight and DeepSeek-V3's score-correction bias) are small and sensitive to quantization (the usual
+choice of FP8 RL recipes, e.g. slime's and DeepSeek-V3's)."""
 
 
 def uses_codec(name: str, tensor: Tensor, codec: str | Codec, codec_exclude: Iterable[re.Pattern | str] = ()) -> bool:

@@ -181,9 +181,10 @@ class TrainConfig(BaseModel):
         description="Quantization-aware training for a quantized rollout (engine.weight_codec, the same codec): the "
         "policy's linear layers compute with the codec's round trip of their weights (what the engine holds) and "
         "pass gradients straight through to the full-precision master weights, so the trainer's log-probs equal the "
-        "engine's. Norms, embeddings, the LM head, biases and routers stay exact, as on the wire. fsdp2 backend, "
-        "without LoRA, models whose quantized weights are all nn.Linear (dense models: fused MoE experts are "
-        "refused). none = train on the unquantized weights.",
+        "engine's. Norms, embeddings, the LM head, biases and routers stay exact, as on the wire. Without LoRA; "
+        "fsdp2: models whose quantized weights are all nn.Linear (dense models: fused MoE experts are refused); "
+        "megatron: int4 or mxfp8 (blocks along a row, so Megatron's fused and split layouts quantize as the engine "
+        "does), MoE experts included. none = train on the unquantized weights.",
     )
     skip_nonfinite_steps: bool = Field(
         True,

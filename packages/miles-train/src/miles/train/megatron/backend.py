@@ -47,6 +47,7 @@ from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from miles.train.fsdp2.state import write_model_dir
 from miles.train.megatron import convert
 from miles.train.megatron import lora as megatron_lora
+from miles.train.megatron import qat as megatron_qat
 from miles.train.megatron.cpu import (
     apply_if_no_gpu,
     local_mla_spec,
@@ -384,6 +385,9 @@ class MegatronBackend:
                 "or --train.lora off"
             )
         self.gpt = self._build(model_path, trust_remote_code=trust_remote_code)
+        if train.qat != "none":  # the policy computes with the engine's quantized weights (not the reference)
+            quantized = megatron_qat.apply_megatron_qat(self.gpt, train.qat, tensor_parallel=self.tensor_parallel)
+            logger.info("train.qat %s: %d Megatron linear weights fake-quantized", train.qat, len(quantized))
         self.lora_layers: dict[str, megatron_lora.LoraParallelLinear] = {}
         if lora is not None:
             self.lora_layers = megatron_lora.apply_lora(
