@@ -274,3 +274,36 @@ def test_lora_on_a_vision_language_policy_trains_with_images_and_the_tower_stays
     assert start.keys() == end.keys()
     assert all(torch.equal(start[n], end[n]) for n in start if n.startswith("model.visual."))
     assert any(not torch.equal(start[n], end[n]) for n in start if ".self_attn.q_proj." in n)  # merged adapters
+
+
+def test_the_tiny_smolvlm_trains_two_grpo_steps_with_images_and_engine_and_trainer_agree(tmp_path, monkeypatch):
+    """The Idefics3 layout end to end: ``--models.policy.path tiny-smolvlm`` on the visual recipe, image tiles
+    rendered once, carried to the embedded engine and the trainer; after the step-1 push they agree."""
+    rows = _two_steps(tmp_path, monkeypatch, "smolvlm", "--models.policy.path", "tiny-smolvlm")
+    assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-5, rows
+    from miles.rollout.multimodal import load_tokenizer
+
+    processor = load_tokenizer(tmp_path / "smolvlm" / "checkpoints" / "step_2" / "model")
+    assert processor.layout == "idefics3" and processor.image_seq_len == 4
+
+
+@pytest.mark.slow
+def test_the_tiny_smolvlm_takes_image_prompts_on_a_miles_serve_server(tmp_path, monkeypatch):
+    """The SGLang-API path with the Idefics3 layout: input_ids with the expanded tile placeholders and the images'
+    files; `miles serve` (SGLang's API; not SGLang) tiles them with the model's own image processor."""
+    serve = ["--engine.type", "sglang", "--engine.server", "miles"]
+    rows = _two_steps(tmp_path, monkeypatch, "smolvlm_serve", "--models.policy.path", "tiny-smolvlm", *serve)
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows
+
+
+@pytest.mark.parametrize(
+    ("override", "server"),
+    [(["--engine.type", "vllm"], "vLLM"), (["--engine.type", "sglang", "--engine.server", "sglang"], "SGLang")],
+    ids=["vllm", "sglang"],
+)
+def test_smolvlm_image_prompts_on_vllm_and_sglang_servers_are_refused_in_one_line(tmp_path, capsys, override, server):
+    args = ["--models.policy.path", "tiny-smolvlm", "--run.dir", str(tmp_path), *override]
+    assert main(["train", "--recipe", RECIPE, *args]) == 2
+    err = capsys.readouterr().err
+    assert f"image prompts run on the embedded engine and miles serve only, not on {server} servers yet" in err
+    assert "Traceback" not in err
