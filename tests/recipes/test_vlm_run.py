@@ -307,3 +307,10 @@ def test_smolvlm_image_prompts_on_vllm_and_sglang_servers_are_refused_in_one_lin
     err = capsys.readouterr().err
     assert f"image prompts run on the embedded engine and miles serve only, not on {server} servers yet" in err
     assert "Traceback" not in err
+
+
+def test_lora_on_smolvlm_is_refused_in_one_line(tmp_path, capsys):
+    args = ["--models.policy.path", "tiny-smolvlm", "--train.lora.rank", "4", "--run.dir", str(tmp_path)]
+    assert main(["train", "--recipe", RECIPE, *args]) == 2
+    err = capsys.readouterr().err
+    assert "(smolvlm): LoRA is not tested on Idefics3 / SmolVLM yet" in err and "Traceback" not in err
