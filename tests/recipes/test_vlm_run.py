@@ -276,6 +276,29 @@ def test_lora_on_a_vision_language_policy_trains_with_images_and_the_tower_stays
     assert any(not torch.equal(start[n], end[n]) for n in start if ".self_attn.q_proj." in n)  # merged adapters
 
 
+def test_the_smolvlm_twin_is_a_small_smolvlm_with_image_tokens_a_pil_processor_and_its_template(tiny_smolvlm_dir):
+    from miles.recipes.models.tiny_smolvlm import image_tokens
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_smolvlm_dir)
+    assert config.model_type == "smolvlm" and config.scale_factor == 2 and config.vision_config.image_size == 32
+    model = AutoModelForImageTextToText.from_pretrained(tiny_smolvlm_dir, dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == 800_096  # 49,160 x 16 tied embedding: 786,560 of it
+    assert model.lm_head.weight is model.model.text_model.embed_tokens.weight
+    tokenizer = AutoTokenizer.from_pretrained(tiny_smolvlm_dir)
+    assert all(len(tokenizer.tokenize(t)) == 1 for t in image_tokens())
+    assert config.image_token_id == tokenizer.convert_tokens_to_ids("<image>")
+    assert tokenizer.eos_token == "<end_of_utterance>"
+    processor = AutoImageProcessor.from_pretrained(tiny_smolvlm_dir)
+    assert type(processor).__name__ == "SmolVLMImageProcessorPil" and processor.max_image_size == {"longest_edge": 32}
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi?"}]}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert text == "<|im_start|>User:<image>Hi?<end_of_utterance>\nAssistant:"
+
+
 def test_the_tiny_smolvlm_trains_two_grpo_steps_with_images_and_engine_and_trainer_agree(tmp_path, monkeypatch):
     """The Idefics3 layout end to end: ``--models.policy.path tiny-smolvlm`` on the visual recipe, image tiles
     rendered once, carried to the embedded engine and the trainer; after the step-1 push they agree."""
