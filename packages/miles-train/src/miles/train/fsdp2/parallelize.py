@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ def parallelize(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype)
     merger (connector).
 
     Args:
-        model: an HF causal LM whose decoder layers are ``model.model.layers`` (or a Qwen-VL model as above); fp32
+        model: an HF causal LM whose decoder layers are ``model.model.layers`` (or a VLM as above); fp32
             parameters (the master copy).
         mesh: 1-D data-parallel mesh (gloo on CPU, NCCL on GPU).
         param_dtype: dtype of the all-gathered parameters used in forward/backward; gradients are reduced and
@@ -89,7 +90,7 @@ def keep_vision_tower_in_step(model: nn.Module) -> bool:
     return True
 
 
-def _blank_vision_forward(inner: nn.Module) -> tuple[nn.Module, nn.Module, object] | None:
+def _blank_vision_forward(inner: nn.Module) -> tuple[nn.Module, nn.Module, Callable[[torch.device], object]] | None:
     """(vision tower, language model, a function of the device running the tower, and the connector where it is a
     sibling, on one blank image) of a Qwen-VL or Idefics3 model's inner module; None for other models."""
     tower, language = getattr(inner, "visual", None), getattr(inner, "language_model", None)
