@@ -125,6 +125,14 @@ def tiny_vlm_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_smolvlm_dir(tmp_path_factory) -> Path:
+    """The tiny random SmolVLM twin (``miles.recipes.models.tiny_smolvlm``): Idefics3-layout tiles, processor."""
+    from miles.recipes.models.tiny_smolvlm import ensure_tiny_smolvlm
+
+    return ensure_tiny_smolvlm(tmp_path_factory.mktemp("tiny_smolvlm"))
+
+
+@pytest.fixture(scope="session")
 def tiny_sd3_dir(tmp_path_factory) -> Path:
     """The random SD3.5-shaped diffusers pipeline ``tiny-sd3`` (``miles.recipes.models.tiny_sd3``)."""
     from miles.recipes.models.tiny_sd3 import ensure_tiny_sd3

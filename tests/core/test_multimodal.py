@@ -84,3 +84,51 @@ def test_a_sample_whose_prompt_failed_before_generation_is_an_untrained_placehol
     assert batch.multimodal_inputs[3] is None
     with pytest.raises(ValueError, match="sample 3 has no prompt tokens"):  # a trained one still cannot
         build_train_batch([*ok, failed], torch.ones(4), pad_token_id=0)
+
+
+def tiles(num_tiles: int, fill: float, side: int = 4) -> dict:
+    """Idefics3-layout inputs of one sample: ``num_tiles`` tiles [N, 3, side, side], every pixel real."""
+    return {
+        "pixel_values": torch.full((num_tiles, 3, side, side), fill),
+        "pixel_attention_mask": torch.ones(num_tiles, side, side, dtype=torch.bool),
+    }
+
+
+def test_idefics3_tiles_concatenate_along_the_tile_axis_in_row_order():
+    merged = concat_multimodal([tiles(2, 1.0), None, tiles(3, 2.0)])
+    assert merged["pixel_values"].shape == (1, 5, 3, 4, 4) and merged["pixel_attention_mask"].shape == (1, 5, 4, 4)
+    assert merged["pixel_values"][0, :, 0, 0, 0].tolist() == [1.0, 1.0, 2.0, 2.0, 2.0]
+    with pytest.raises(ValueError, match=r"image tiles of different sizes \[\(3, 4, 4\), \(3, 8, 8\)\]"):
+        concat_multimodal([tiles(2, 1.0), tiles(1, 1.0, side=8)])
+    with pytest.raises(ValueError, match="mix Qwen-VL and Idefics3 image inputs"):
+        concat_multimodal([tiles(2, 1.0), inputs(4, 1.0)])
+
+
+def test_malformed_idefics3_inputs_are_named_in_one_line():
+    validate_multimodal(tiles(2, 1.0))
+    with pytest.raises(ValueError, match=r"pixel_values must be a \[tiles, channels, height, width\] float tensor"):
+        validate_multimodal(
+            {**tiles(2, 1.0), "pixel_values": torch.zeros(1, 2, 3, 4, 4)}
+        )  # the processor's [1, N, ...]
+    with pytest.raises(ValueError, match=r"pixel_attention_mask must be a \[tiles, height, width\] bool tensor"):
+        validate_multimodal({**tiles(2, 1.0), "pixel_attention_mask": torch.ones(2, 4, 4, dtype=torch.int64)})
+    with pytest.raises(ValueError, match=r"must hold exactly \['pixel_values', 'pixel_attention_mask'\]"):
+        validate_multimodal({**tiles(2, 1.0), "image_grid_thw": torch.tensor([[1, 2, 2]])})
+
+
+def test_an_idefics3_tile_is_image_seq_len_placeholders_and_an_all_zero_tile_none():
+    """(image_size // patch_size)**2 // scale_factor**2 = (32 // 8)**2 // 2**2 = 4 per tile; the model drops a tile
+    whose pixels are all exactly 0 (its padding), so it fills none."""
+    from types import SimpleNamespace
+
+    from miles.core.multimodal import idefics3_image_seq_len, num_placeholder_tokens
+
+    config = SimpleNamespace(model_type="smolvlm", scale_factor=2,
+                             vision_config=SimpleNamespace(image_size=32, patch_size=8))  # fmt: skip
+    assert idefics3_image_seq_len(config) == 4
+    padded = tiles(3, 1.0)
+    padded["pixel_values"][2] = 0.0
+    assert num_placeholder_tokens(config, padded) == 2 * 4
+    qwen = SimpleNamespace(model_type="qwen3_vl", vision_config=SimpleNamespace(spatial_merge_size=2))
+    with pytest.raises(ValueError, match="takes Qwen-VL-layout image inputs but a row carries"):
+        num_placeholder_tokens(qwen, tiles(1, 1.0))

@@ -16,7 +16,7 @@ from miles.recipes.run import RunSetupError, build_inputs
 # the registered models as the message lists them, written once here (adding a model edits this line)
 REGISTERED = (
     "smollm2-135m-instruct, smollm2-vl, tiny-deepseek-v3, tiny-deepseek-v4, tiny-glm-5, tiny-kimi-k2.5, tiny-qwen3, "
-    "tiny-qwen3-moe, tiny-qwen3-vl, tiny-qwen3.5, tiny-qwen3.5-moe"
+    "tiny-qwen3-moe, tiny-qwen3-vl, tiny-qwen3.5, tiny-qwen3.5-moe, tiny-smolvlm"
 )
 GOOD = json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"})
 

@@ -274,3 +274,66 @@ def test_lora_on_a_vision_language_policy_trains_with_images_and_the_tower_stays
     assert start.keys() == end.keys()
     assert all(torch.equal(start[n], end[n]) for n in start if n.startswith("model.visual."))
     assert any(not torch.equal(start[n], end[n]) for n in start if ".self_attn.q_proj." in n)  # merged adapters
+
+
+def test_the_smolvlm_twin_is_a_small_smolvlm_with_image_tokens_a_pil_processor_and_its_template(tiny_smolvlm_dir):
+    from miles.recipes.models.tiny_smolvlm import image_tokens
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_smolvlm_dir)
+    assert config.model_type == "smolvlm" and config.scale_factor == 2 and config.vision_config.image_size == 32
+    model = AutoModelForImageTextToText.from_pretrained(tiny_smolvlm_dir, dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == 800_096  # 49,160 x 16 tied embedding: 786,560 of it
+    assert model.lm_head.weight is model.model.text_model.embed_tokens.weight
+    tokenizer = AutoTokenizer.from_pretrained(tiny_smolvlm_dir)
+    assert all(len(tokenizer.tokenize(t)) == 1 for t in image_tokens())
+    assert config.image_token_id == tokenizer.convert_tokens_to_ids("<image>")
+    assert tokenizer.eos_token == "<end_of_utterance>"
+    processor = AutoImageProcessor.from_pretrained(tiny_smolvlm_dir)
+    assert type(processor).__name__ == "SmolVLMImageProcessorPil" and processor.max_image_size == {"longest_edge": 32}
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi?"}]}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert text == "<|im_start|>User:<image>Hi?<end_of_utterance>\nAssistant:"
+
+
+def test_the_tiny_smolvlm_trains_two_grpo_steps_with_images_and_engine_and_trainer_agree(tmp_path, monkeypatch):
+    """The Idefics3 layout end to end: ``--models.policy.path tiny-smolvlm`` on the visual recipe, image tiles
+    rendered once, carried to the embedded engine and the trainer; after the step-1 push they agree."""
+    rows = _two_steps(tmp_path, monkeypatch, "smolvlm", "--models.policy.path", "tiny-smolvlm")
+    assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-5, rows
+    from miles.rollout.multimodal import load_tokenizer
+
+    processor = load_tokenizer(tmp_path / "smolvlm" / "checkpoints" / "step_2" / "model")
+    assert processor.layout == "idefics3" and processor.image_seq_len == 4
+
+
+@pytest.mark.slow
+def test_the_tiny_smolvlm_takes_image_prompts_on_a_miles_serve_server(tmp_path, monkeypatch):
+    """The SGLang-API path with the Idefics3 layout: input_ids with the expanded tile placeholders and the images'
+    files; `miles serve` (SGLang's API; not SGLang) tiles them with the model's own image processor."""
+    serve = ["--engine.type", "sglang", "--engine.server", "miles"]
+    rows = _two_steps(tmp_path, monkeypatch, "smolvlm_serve", "--models.policy.path", "tiny-smolvlm", *serve)
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows
+
+
+@pytest.mark.parametrize(
+    ("override", "server"),
+    [(["--engine.type", "vllm"], "vLLM"), (["--engine.type", "sglang", "--engine.server", "sglang"], "SGLang")],
+    ids=["vllm", "sglang"],
+)
+def test_smolvlm_image_prompts_on_vllm_and_sglang_servers_are_refused_in_one_line(tmp_path, capsys, override, server):
+    args = ["--models.policy.path", "tiny-smolvlm", "--run.dir", str(tmp_path), *override]
+    assert main(["train", "--recipe", RECIPE, *args]) == 2
+    err = capsys.readouterr().err
+    assert f"image prompts run on the embedded engine and miles serve only, not on {server} servers yet" in err
+    assert "Traceback" not in err
+
+
+def test_lora_on_smolvlm_is_refused_in_one_line(tmp_path, capsys):
+    args = ["--models.policy.path", "tiny-smolvlm", "--train.lora.rank", "4", "--run.dir", str(tmp_path)]
+    assert main(["train", "--recipe", RECIPE, *args]) == 2
+    err = capsys.readouterr().err
+    assert "(smolvlm): LoRA is not tested on Idefics3 / SmolVLM yet" in err and "Traceback" not in err

@@ -44,8 +44,9 @@ class TrainBatch:
         routed_experts: [B, L, num_layers, top_k] int32 MoE experts chosen at rollout for each token (routing
             replay, R3), laid out like ``tokens`` and right-padded with -1; None unless every sample has them.
         multimodal_inputs: B entries, each row's image inputs (``miles.core.multimodal``: ``pixel_values`` [P, D],
-            ``image_grid_thw`` [I, 3]; their placeholder tokens are in the row's prompt) or None for a text-only
-            row; None when no row has images. A tuple, not a tensor: rows hold different numbers of patches.
+            ``image_grid_thw`` [I, 3], or Idefics3 tiles ``pixel_values`` [N, C, H, W], ``pixel_attention_mask``
+            [N, H, W]; their placeholder tokens are in the row's prompt) or None for a text-only row; None when no
+            row has images. A tuple, not a tensor: rows hold different numbers of patches or tiles.
     """
 
     tokens: Tensor

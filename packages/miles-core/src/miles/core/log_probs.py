@@ -10,7 +10,12 @@ from collections.abc import Sequence
 
 import torch
 from miles.core.batch import pack_sequences
-from miles.core.multimodal import MultimodalInputs, multimodal_forward_kwargs, packed_position_ids
+from miles.core.multimodal import (
+    MultimodalInputs,
+    is_idefics3_config,
+    multimodal_forward_kwargs,
+    packed_position_ids,
+)
 from torch import Tensor
 
 # Attention implementations that keep packed sequences apart (transformers 5.x). eager/sdpa/flex: the causal mask
@@ -176,7 +181,8 @@ def packed_model_response_log_probs(
         ``model_response_log_probs`` within float rounding on each row's first ``response_lengths[b]`` columns and
         exactly 0 past them (the padded path leaves unspecified values there; mask them either way). Carry grad.
         multimodal: per row, its image inputs or None (Qwen-VL models: each row's multimodal RoPE positions are
-            computed on the row alone and packed behind restarting text positions, ``packed_position_ids``).
+            computed on the row alone and packed behind restarting text positions, ``packed_position_ids``;
+            Idefics3 / SmolVLM: the text positions, the rows' tiles concatenated as ``concat_multimodal``).
     Raises: ValueError for another attention implementation (it would attend across sequences), a model
         ``packing_refusal`` names, left padding, or what ``multimodal_forward_kwargs`` / ``packed_position_ids``
         raise.
@@ -205,9 +211,10 @@ def packed_model_response_log_probs(
         images = multimodal_forward_kwargs(model, tokens, multimodal)  # checks each row's placeholders first
         if "mm_token_type_ids" in images:  # [B, L] -> the packed row's [1, N]
             images["mm_token_type_ids"] = (packed.tokens == model.config.image_token_id).to(torch.int32)
-        lengths = packed.cu_seqlens.diff().tolist()
-        rows = [tokens[b, :n] for b, n in enumerate(lengths)]
-        position_ids = packed_position_ids(model, rows, multimodal)  # [4, 1, N]
+        if not is_idefics3_config(model.config):  # Idefics3's language model takes the plain restarting positions
+            lengths = packed.cu_seqlens.diff().tolist()
+            rows = [tokens[b, :n] for b, n in enumerate(lengths)]
+            position_ids = packed_position_ids(model, rows, multimodal)  # [4, 1, N]
     # attention_mask=None and use_cache=False are what make transformers derive the block-diagonal causal mask from
     # the restarting position_ids (a 2-D mask or a cache disables that detection). The cu_seq_lens/max_length
     # kwargs are what flash varlen kernels read (else they re-derive them with a host sync per layer); eager/sdpa

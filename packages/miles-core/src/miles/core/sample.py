@@ -51,7 +51,8 @@ class Sample:
             partial rollout: it reports the versions, not where they changed) and before generation.
         rollout_routed_experts: MoE experts chosen at rollout, for routing replay (R3); None for dense models.
         multimodal_inputs: the processor's image inputs for ``tokens`` (``miles.core.multimodal``: ``pixel_values``
-            [P, D] float32, ``image_grid_thw`` [I, 3] int64), produced once at rollout and given unchanged to the
+            [P, D] float32, ``image_grid_thw`` [I, 3] int64; Idefics3 / SmolVLM: ``pixel_values`` [N, C, H, W]
+            float32, ``pixel_attention_mask`` [N, H, W] bool), produced once at rollout and given unchanged to the
             engine and the trainer; None for a text-only sample.
         teacher_log_probs: per response token, from a teacher model (on-policy distillation); else None.
         response_text: the response decoded by the policy's tokenizer (special tokens skipped), what rewards

@@ -26,11 +26,14 @@ from miles.recipes.models import tiny
 from miles.recipes.models.smollm2 import ensure_smollm2
 from miles.recipes.models.smollm2_vl import MODEL_NAME as SMOLLM2_VL
 from miles.recipes.models.smollm2_vl import ensure_smollm2_vl
+from miles.recipes.models.tiny_smolvlm import MODEL_NAME as TINY_SMOLVLM
+from miles.recipes.models.tiny_smolvlm import ensure_tiny_smolvlm
 from miles.rollout.remote_code import check_remote_code
 
 MODELS: dict[str, Callable[[], Path]] = {
     "smollm2-135m-instruct": ensure_smollm2,
     SMOLLM2_VL: ensure_smollm2_vl,
+    TINY_SMOLVLM: ensure_tiny_smolvlm,
     **{tiny.model_name(family): functools.partial(tiny.ensure_tiny, family) for family in tiny.FAMILIES},
 }
 

@@ -1122,12 +1122,12 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
     """Refuse, in one line, what vision-language policies do not run with yet: vLLM servers when the prompts may
     carry images, except Qwen3-VL and Qwen2-VL (``vllm_images.IMAGE_MODEL_TYPES``) with full-weight updates through
     the weight group (SGLang-API servers take them as image_data; text-only runs of a vision-language checkpoint, as
-    Qwen3.5's, use any engine), SFT rollouts and agent plugins (their renderers do not carry images; multi-turn tool
-    calling does), a critic (no token-classification head for VLMs), a text-only reference or teacher, and image
-    prompts for ``TEXT_ONLY_VISION_TYPES`` (Kimi K2.5). The
-    Megatron backend refuses the architecture itself (``_check_megatron_models``). From config.json files alone,
-    before anything starts."""
-    from miles.core.multimodal import is_multimodal_config
+    Qwen3.5's, use any engine), vLLM and SGLang servers for Idefics3 / SmolVLM image prompts (the embedded engine and
+    miles serve take them) and LoRA on those models, SFT rollouts and agent plugins (their renderers do not carry
+    images; multi-turn tool calling does), a critic (no token-classification head for VLMs), a text-only reference
+    or teacher, and image prompts for ``TEXT_ONLY_VISION_TYPES`` (Kimi K2.5). The Megatron backend refuses the
+    architecture itself (``_check_megatron_models``). From config.json files alone, before anything starts."""
+    from miles.core.multimodal import IDEFICS3_MODEL_TYPES, is_multimodal_config
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.models.policy.trust_remote_code)
@@ -1150,6 +1150,21 @@ def _check_vision_model(cfg: MilesConfig, model_path: Path, *, training: bool = 
             f"{where} ({config.model_type}) that Miles trains on text prompts only: its tower takes another pixel "
             "layout than Miles' image processing renders; drop data.image_key (and the visual task), or use a "
             "Qwen-VL family model for image prompts"
+        )
+    miles_serve = cfg.engine.type == "sglang" and cfg.engine.server == "miles"
+    if images and config.model_type in IDEFICS3_MODEL_TYPES and cfg.engine.type != "embedded" and not miles_serve:
+        server = "vLLM" if cfg.engine.type == "vllm" else "SGLang"
+        raise RunSetupError(
+            f"{where} ({config.model_type}, the Idefics3 / SmolVLM image layout): image prompts run on the embedded "
+            f"engine and miles serve only, not on {server} servers yet; set --engine.type embedded, or sglang with "
+            "--engine.server miles (a text-only run, without data.image_key or a custom data source, may use any "
+            "engine)"
+        )
+    if training and config.model_type in IDEFICS3_MODEL_TYPES and cfg.train.lora is not None:
+        raise RunSetupError(
+            f"{where} ({config.model_type}): LoRA is not tested on Idefics3 / SmolVLM yet (the default "
+            "train.lora.target_modules q/k/v_proj would also adapt its vision tower's attention); drop "
+            "--train.lora.rank"
         )
     if cfg.engine.type == "vllm" and images:
         from miles.rollout.engines.vllm_images import IMAGE_MODEL_TYPES

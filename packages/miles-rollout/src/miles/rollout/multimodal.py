@@ -10,6 +10,10 @@ tensors, so the two sides never process an image differently.
 This is what transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors do for images, written out because their
 processor classes also build a video processor, which needs torchvision (not installable beside the CPU torch
 build). The image processor itself is the model's (``AutoImageProcessor``, the PIL backend without torchvision).
+Idefics3 / SmolVLM models (``miles.core.multimodal.IDEFICS3_MODEL_TYPES``) are rendered as their processors do:
+each image becomes its tiles (``pixel_values`` [N, C, H, W], ``pixel_attention_mask`` [N, H, W]) and its
+placeholder the tile layout's text (``<fake_token_around_image><row_1_col_1><image>...<global-img><image>...``,
+transformers' ``get_image_prompt_string``), ``image_seq_len`` placeholders per tile.
 """
 
 from __future__ import annotations
@@ -21,9 +25,14 @@ import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from miles.core.multimodal import MultimodalInputs, is_multimodal_config
+from miles.core.multimodal import (
+    MultimodalInputs,
+    idefics3_image_seq_len,
+    is_idefics3_config,
+    is_multimodal_config,
+)
 from miles.core.sample import Sample
 
 IMAGE_PART_TYPES = ("image", "image_url")
@@ -38,16 +47,35 @@ class VisionProcessor:
     Args:
         tokenizer: the model's HF tokenizer; its chat template renders an image part as the image placeholder.
         image_processor: the model's HF image processor (Qwen-VL layout: ``pixel_values`` [P, D],
-            ``image_grid_thw`` [I, 3]).
-        image_token: the placeholder token (``config.image_token_id``'s), repeated once per merged patch.
-        merge_size: patches merged per side into one token (``vision_config.spatial_merge_size``).
+            ``image_grid_thw`` [I, 3]; Idefics3 layout: ``pixel_values`` [1, N, C, H, W], ``pixel_attention_mask``
+            [1, N, H, W]).
+        image_token: the placeholder token (``config.image_token_id``'s), repeated once per merged patch (per tile
+            position for Idefics3).
+        merge_size: patches merged per side into one token (``vision_config.spatial_merge_size``); Qwen-VL only.
+        layout: "qwen_vl" (the default) or "idefics3" (Idefics3 / SmolVLM tiles).
+        image_seq_len: Idefics3 layout: placeholders per tile (``miles.core.multimodal.idefics3_image_seq_len``).
     """
 
-    def __init__(self, tokenizer: Any, image_processor: Any, *, image_token: str, merge_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        image_processor: Any,
+        *,
+        image_token: str,
+        merge_size: int,
+        layout: Literal["qwen_vl", "idefics3"] = "qwen_vl",
+        image_seq_len: int = 0,
+    ) -> None:
+        if layout == "idefics3" and image_seq_len < 1:
+            raise ValueError(
+                f"the idefics3 layout needs image_seq_len >= 1 (placeholders per tile), got {image_seq_len}"
+            )
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.image_token = image_token
         self.merge_size = merge_size
+        self.layout = layout
+        self.image_seq_len = image_seq_len
         # render runs in worker threads (off the rollout's event loop); an HF fast tokenizer used from two threads at
         # once can fail ("Already borrowed"), so renders take turns
         self._render_lock = threading.Lock()
@@ -71,11 +99,14 @@ class VisionProcessor:
         if not tokenizer.chat_template:
             raise ValueError(f"the model at {path} has no chat template; a multimodal prompt needs one")
         image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        idefics3 = is_idefics3_config(config)
         return cls(
             tokenizer,
             image_processor,
             image_token=tokenizer.convert_ids_to_tokens(config.image_token_id),
             merge_size=getattr(config.vision_config, "spatial_merge_size", 1),
+            layout="idefics3" if idefics3 else "qwen_vl",
+            image_seq_len=idefics3_image_seq_len(config) if idefics3 else 0,
         )
 
     def __getattr__(self, name: str) -> Any:  # only called for names this class does not define
@@ -111,7 +142,8 @@ class VisionProcessor:
             messages: chat messages; a message's content is text or a list of parts, an image part being
                 ``{"type": "image"}`` (or ``"image_url"``).
             images: one PIL image per image part, in order.
-        Returns: (token ids, ``{"pixel_values": [P, D] float32, "image_grid_thw": [I, 3] int64}`` or None without
+        Returns: (token ids, ``{"pixel_values": [P, D] float32, "image_grid_thw": [I, 3] int64}`` (Idefics3:
+            ``{"pixel_values": [N, C, H, W] float32, "pixel_attention_mask": [N, H, W] bool}``) or None without
             images).
         Raises: ValueError when the number of image parts and images differ.
         """
@@ -120,9 +152,13 @@ class VisionProcessor:
 
     def image_inputs(self, images: Sequence[Any]) -> MultimodalInputs:
         """The model's image processor over ``images`` (RGB PIL images, in order): ``{"pixel_values": [P, D]
-        float32, "image_grid_thw": [I, 3] int64}``; each image takes ``prod(grid) / merge_size**2`` placeholders."""
+        float32, "image_grid_thw": [I, 3] int64}``; each image takes ``prod(grid) / merge_size**2`` placeholders.
+        Idefics3 layout: ``{"pixel_values": [N, C, H, W] float32, "pixel_attention_mask": [N, H, W] bool}``, the
+        tiles of all images (``idefics3_tiles``)."""
         import torch
 
+        if self.layout == "idefics3":
+            return self.idefics3_tiles(images)[0]
         processed = self.image_processor(images=list(images), return_tensors="pt")
         return {
             "pixel_values": processed["pixel_values"].to(torch.float32),
@@ -145,12 +181,41 @@ class VisionProcessor:
                 f"({self.image_token!r}) for {num_parts} image parts; the model's template must render each image part"
             )
         inputs = None
-        if images:
+        if images and self.layout == "idefics3":
+            inputs, expansions = self.idefics3_tiles(images)
+            pieces = text.split(self.image_token)
+            text = pieces[0] + "".join(expanded + piece for expanded, piece in zip(expansions, pieces[1:]))
+        elif images:
             inputs = self.image_inputs(images)
             pieces = text.split(self.image_token)
             counts = [int(n) // self.merge_size**2 for n in inputs["image_grid_thw"].prod(dim=1)]
             text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
         return self.tokenizer(text, add_special_tokens=False)["input_ids"], inputs
+
+    def idefics3_tiles(self, images: Sequence[Any]) -> tuple[MultimodalInputs, list[str]]:
+        """Idefics3 / SmolVLM: the image processor over ``images`` (RGB PIL images of one prompt, in order) and the
+        text each image's placeholder expands to, as transformers' ``Idefics3Processor`` / ``SmolVLMProcessor``
+        write it (``get_image_prompt_string``: per tile row and column ``<fake_token_around_image><row_r_col_c>``
+        and ``image_seq_len`` placeholders, then the global view's ``<global-img>`` and placeholders).
+
+        Returns: (``{"pixel_values": [N, C, H, W] float32, "pixel_attention_mask": [N, H, W] bool}``, N the tiles
+            of all images; one expansion per image).
+        """
+        import torch
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string  # Idefics3 writes the same
+
+        processed = self.image_processor(images=[list(images)], return_tensors="pt", return_row_col_info=True)
+        fake = getattr(self.tokenizer, "fake_image_token", "<fake_token_around_image>")
+        global_token = getattr(self.tokenizer, "global_image_token", "<global-img>")
+        expansions = [
+            get_image_prompt_string(rows, cols, self.image_seq_len, fake, self.image_token, global_token)
+            for rows, cols in zip(processed["rows"][0], processed["cols"][0])
+        ]
+        inputs = {
+            "pixel_values": processed["pixel_values"][0].to(torch.float32),  # [N, C, H, W]
+            "pixel_attention_mask": processed["pixel_attention_mask"][0].to(torch.bool),  # [N, H, W]
+        }
+        return inputs, expansions
 
     def render_sample(self, sample: Sample) -> tuple[list[int], MultimodalInputs | None]:
         """``render`` of a sample's chat prompt with the images of its ``metadata["images"]``; without images, a
