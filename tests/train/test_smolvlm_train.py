@@ -3,13 +3,9 @@ FSDP2 trainer and the embedded engine: rendering equal to transformers' own proc
 exactly the engine's tiles, image tokens outside the loss, every parameter group (vision tower, connector, text
 model, tied embedding) pushed, the tower and connector frozen by config. The tiny random SmolVLM twin."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from miles.core.algorithms.objective import LossCounts, PolicyObjective
+from miles.core.algorithms.objective import PolicyObjective
 from miles.core.batch import build_train_batch
 from miles.core.buffer import generate_samples
 from miles.core.config import AlgorithmConfig, SamplingConfig
@@ -21,7 +17,7 @@ from miles.rollout.engines import EmbeddedEngine
 from miles.rollout.generate import ChatRollout
 from miles.rollout.multimodal import load_image, load_tokenizer
 from miles.sync import InProcessTransport, WeightSender
-from miles.train import FSDP2Backend, TrainConfig
+from vlm_checks import check_two_ranks_give_the_one_rank_gradient, fsdp2_backend, max_gap
 
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6)
 OBJECTIVE = PolicyObjective(AlgorithmConfig(), max_new_tokens=6)
@@ -40,14 +36,6 @@ def rollout(tiny_smolvlm_dir):
     advantages = torch.tensor([1.0, -1.0] * 3)  # a spread within each group, so the step moves every weight
     batch = build_train_batch(samples, advantages, pad_token_id=processor.pad_token_id)
     return engine, processor, batch
-
-
-def _backend(path, **train):
-    return FSDP2Backend(path, train=TrainConfig(dtype="fp32", micro_batch_size=4, lr=1e-3, **train), temperature=1.0)
-
-
-def _max_gap(a, b, mask):
-    return float(((a - b).abs() * mask).max())
 
 
 def _engine_log_probs(engine, batch):
@@ -129,14 +117,14 @@ def test_rows_concatenate_along_the_tile_axis_and_a_batch_equals_each_row_alone(
 def test_the_trainer_recomputes_the_engines_log_probs_from_the_samples_tiles(tiny_smolvlm_dir, rollout):
     _, _, batch = rollout
     assert all(m is not None and m["pixel_values"].shape[0] == 5 for m in batch.multimodal_inputs)
-    backend = _backend(tiny_smolvlm_dir)
+    backend = fsdp2_backend(tiny_smolvlm_dir)
     trainer = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
     assert batch.loss_mask.sum() >= 12  # real response tokens compared
-    assert _max_gap(trainer, batch.rollout_log_probs, batch.loss_mask) < 1e-5
+    assert max_gap(trainer, batch.rollout_log_probs, batch.loss_mask) < 1e-5
     # Fault class: the two sides see different pixels. Other prompts' tiles under the same tokens move the log-probs.
     other = tuple(batch.multimodal_inputs[(b + 2) % batch.batch_size] for b in range(batch.batch_size))
     forged = backend.forward(batch.replace(multimodal_inputs=other), outputs={"old_log_probs"}).old_log_probs
-    assert _max_gap(forged, batch.rollout_log_probs, batch.loss_mask) > 1e-3
+    assert max_gap(forged, batch.rollout_log_probs, batch.loss_mask) > 1e-3
 
 
 def test_the_packed_layout_gives_the_padded_log_probs_with_image_and_text_rows(tiny_smolvlm_dir, rollout):
@@ -153,10 +141,11 @@ def test_the_packed_layout_gives_the_padded_log_probs_with_image_and_text_rows(t
     ]  # fmt: skip
     mixed = build_train_batch(image_samples[:3] + text_samples + image_samples[3:], torch.zeros(8),
                               pad_token_id=processor.pad_token_id)  # fmt: skip
-    padded = _backend(tiny_smolvlm_dir).forward(mixed, outputs={"old_log_probs"}).old_log_probs
-    packed = _backend(tiny_smolvlm_dir, batch_layout="packed").forward(mixed, outputs={"old_log_probs"}).old_log_probs
-    assert _max_gap(packed, padded, mixed.loss_mask) < 1e-5
-    assert _max_gap(packed, mixed.rollout_log_probs, mixed.loss_mask) < 1e-5
+    padded = fsdp2_backend(tiny_smolvlm_dir).forward(mixed, outputs={"old_log_probs"}).old_log_probs
+    packed_backend = fsdp2_backend(tiny_smolvlm_dir, batch_layout="packed")
+    packed = packed_backend.forward(mixed, outputs={"old_log_probs"}).old_log_probs
+    assert max_gap(packed, padded, mixed.loss_mask) < 1e-5
+    assert max_gap(packed, mixed.rollout_log_probs, mixed.loss_mask) < 1e-5
 
 
 def test_image_tokens_are_prompt_tokens_and_never_in_the_loss_mask(rollout):
@@ -199,7 +188,7 @@ def test_after_a_push_of_perturbed_weights_the_engine_equals_the_trainer_only_wh
     the engine's log-probs on the image prompts equal the trainer's (1e-5). A push that leaves one group out (by
     construction: the sender drops its tensors) leaves engine and trainer apart by > 1e-3."""
     _, _, batch = rollout
-    backend = _backend(tiny_smolvlm_dir)
+    backend = fsdp2_backend(tiny_smolvlm_dir)
     _perturb(backend)
     trained = backend.full_state_dict()
     assert {g for g in GROUPS if any(k.startswith(g) for k in trained)} == set(GROUPS)
@@ -210,7 +199,7 @@ def test_after_a_push_of_perturbed_weights_the_engine_equals_the_trainer_only_wh
     trainer_lp = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
     engine_lp = _engine_log_probs(engine, batch)
     width = engine_lp.shape[1]
-    gap = _max_gap(engine_lp, trainer_lp[:, :width], batch.loss_mask[:, :width])
+    gap = max_gap(engine_lp, trainer_lp[:, :width], batch.loss_mask[:, :width])
     if not skip:
         assert sorted(held) == sorted(trained) and stale == []
         assert torch.equal(held["lm_head.weight"], trained["model.text_model.embed_tokens.weight"])  # tied
@@ -222,7 +211,7 @@ def test_after_a_push_of_perturbed_weights_the_engine_equals_the_trainer_only_wh
 
 def test_a_step_moves_the_tower_and_connector_and_one_push_brings_every_weight(tiny_smolvlm_dir, rollout):
     _, _, batch = rollout
-    backend = _backend(tiny_smolvlm_dir)
+    backend = fsdp2_backend(tiny_smolvlm_dir)
     before = {k: v.clone() for k, v in backend.full_state_dict().items()}
     train_step(backend, batch.replace(old_log_probs=batch.rollout_log_probs), OBJECTIVE)
     after = backend.full_state_dict()
@@ -236,12 +225,12 @@ def test_a_step_moves_the_tower_and_connector_and_one_push_brings_every_weight(t
     trainer_lp = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
     engine_lp = _engine_log_probs(engine, batch)
     width = engine_lp.shape[1]
-    assert _max_gap(engine_lp, trainer_lp[:, :width], batch.loss_mask[:, :width]) < 1e-5
+    assert max_gap(engine_lp, trainer_lp[:, :width], batch.loss_mask[:, :width]) < 1e-5
 
 
 def test_a_frozen_vision_tower_freezes_smolvlms_vision_model_and_connector(tiny_smolvlm_dir, rollout):
     _, _, batch = rollout
-    backend = _backend(tiny_smolvlm_dir, freeze_vision_tower=True)
+    backend = fsdp2_backend(tiny_smolvlm_dir, freeze_vision_tower=True)
     params = dict(backend.model.named_parameters())
     assert {n.split(".")[1] for n, p in params.items() if not p.requires_grad} == {"vision_model", "connector"}
     before = {k: v.clone() for k, v in backend.full_state_dict().items()}
@@ -318,29 +307,10 @@ def test_two_ranks_one_with_image_rows_one_with_text_rows_give_the_one_rank_grad
     """Two gloo ranks, rank 0 holding the image rows and rank 1 the text rows (which alone never call SmolVLM's
     vision model): neither waits forever in the tower's collectives, each rank's log-probs equal the one-rank ones,
     and the reduced gradient (vision tower and connector included) equals the one-rank gradient of the batch."""
-    batch = _mixed_rows(rollout)
-    torch.save(batch, tmp_path / "batch.pt")
-    worker = Path(__file__).parent / "fsdp2_vlm_worker.py"
-    args = [str(tmp_path / "init"), str(tiny_smolvlm_dir), str(tmp_path / "batch.pt"), str(tmp_path / "rank")]
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", *args], cwd=worker.parent) for r in range(2)]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert codes == [0, 0]
-    single = _backend(tiny_smolvlm_dir)
-    old = single.forward(batch, outputs={"old_log_probs"}).old_log_probs
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)["old_log_probs"]
-        width = got.shape[1]
-        rows = batch.slice(2 * rank, 2 * rank + 2)
-        assert _max_gap(got, old[2 * rank : 2 * rank + 2, :width], rows.loss_mask[:, :width]) < 1e-6
-    single.forward_backward(batch.replace(old_log_probs=old), OBJECTIVE, LossCounts.of(batch))
-    expected = single.full_gradients()
-    grads = torch.load(tmp_path / "rank0.pt", weights_only=True)["grads"]
-    assert sorted(grads) == sorted(expected)
-    for group in ("model.vision_model.encoder.layers.", "model.connector."):
-        assert any(n.startswith(group) and grads[n].abs().sum() > 0 for n in grads), group
-    for name, grad in expected.items():
-        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    check_two_ranks_give_the_one_rank_gradient(
+        tiny_smolvlm_dir,
+        _mixed_rows(rollout),
+        tmp_path,
+        OBJECTIVE,
+        ("model.vision_model.encoder.layers.", "model.connector."),
+    )

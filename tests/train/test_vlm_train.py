@@ -2,13 +2,9 @@
 outside the loss, every weight (vision tower included) pushed through miles-sync, the tower frozen by config. The
 tiny random Qwen3-VL twin; one regression test per fault class VLM RL frameworks are known for."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from miles.core.algorithms.objective import LossCounts, PolicyObjective
+from miles.core.algorithms.objective import PolicyObjective
 from miles.core.batch import build_train_batch
 from miles.core.buffer import generate_samples
 from miles.core.config import AlgorithmConfig, SamplingConfig
@@ -19,8 +15,8 @@ from miles.rollout.engines import EmbeddedEngine
 from miles.rollout.generate import ChatRollout
 from miles.rollout.multimodal import load_tokenizer
 from miles.sync import InProcessTransport, WeightSender
-from miles.train import FSDP2Backend, TrainConfig
 from transformers import AutoModelForCausalLM
+from vlm_checks import check_two_ranks_give_the_one_rank_gradient, fsdp2_backend, max_gap
 
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6)
 OBJECTIVE = PolicyObjective(AlgorithmConfig(), max_new_tokens=6)
@@ -53,26 +49,18 @@ def _samples(rollout):
     return samples
 
 
-def _backend(path, **train):
-    return FSDP2Backend(path, train=TrainConfig(dtype="fp32", micro_batch_size=4, lr=1e-3, **train), temperature=1.0)
-
-
-def _max_gap(a, b, mask):
-    return float(((a - b).abs() * mask).max())
-
-
 def test_the_trainer_recomputes_the_engines_log_probs_from_the_samples_images(tiny_vlm_dir, rollout):
     _, _, batch = rollout
     assert len(batch.multimodal_inputs) == batch.batch_size and all(m is not None for m in batch.multimodal_inputs)
-    backend = _backend(tiny_vlm_dir)
+    backend = fsdp2_backend(tiny_vlm_dir)
     trainer = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
     assert batch.loss_mask.sum() >= 12  # real response tokens compared
-    assert _max_gap(trainer, batch.rollout_log_probs, batch.loss_mask) < 1e-5
+    assert max_gap(trainer, batch.rollout_log_probs, batch.loss_mask) < 1e-5
     # Fault class: the two sides process images differently. Other pixels under the same tokens (what a trainer that
     # re-ran a different processor, or lost the images, would see) give measurably different log-probs.
     other = tuple(batch.multimodal_inputs[(b + 2) % batch.batch_size] for b in range(batch.batch_size))
     forged = backend.forward(batch.replace(multimodal_inputs=other), outputs={"old_log_probs"}).old_log_probs
-    assert _max_gap(forged, batch.rollout_log_probs, batch.loss_mask) > 1e-3
+    assert max_gap(forged, batch.rollout_log_probs, batch.loss_mask) > 1e-3
 
 
 def test_image_placeholder_tokens_are_never_in_the_loss_mask(rollout):
@@ -93,7 +81,7 @@ def test_a_step_moves_the_vision_tower_and_the_push_brings_every_weight_to_the_e
     """Fault class: vision weights missing or stale after a push. After one step every engine tensor (vision tower,
     merger, language model, tied embedding) equals the trainer's, and the engine's log-probs equal the trainer's."""
     _, _, batch = rollout
-    backend = _backend(tiny_vlm_dir)
+    backend = fsdp2_backend(tiny_vlm_dir)
     before = {k: v.clone() for k, v in backend.full_state_dict().items()}
     train_step(backend, batch.replace(old_log_probs=batch.rollout_log_probs), OBJECTIVE)
     after = backend.full_state_dict()
@@ -115,12 +103,12 @@ def test_a_step_moves_the_vision_tower_and_the_push_brings_every_weight_to_the_e
     engine_lp = engine.score(prompts, responses, temperature=1.0, multimodal=list(batch.multimodal_inputs))
     trainer_lp = backend.forward(batch, outputs={"old_log_probs"}).old_log_probs
     width = engine_lp.shape[1]
-    assert _max_gap(engine_lp, trainer_lp[:, :width], batch.loss_mask[:, :width]) < 1e-5
+    assert max_gap(engine_lp, trainer_lp[:, :width], batch.loss_mask[:, :width]) < 1e-5
 
 
 def test_a_frozen_vision_tower_stays_as_loaded_while_the_language_model_trains(tiny_vlm_dir, rollout):
     _, _, batch = rollout
-    backend = _backend(tiny_vlm_dir, freeze_vision_tower=True)
+    backend = fsdp2_backend(tiny_vlm_dir, freeze_vision_tower=True)
     assert all(not p.requires_grad for n, p in backend.model.named_parameters() if n.startswith("model.visual."))
     before = {k: v.clone() for k, v in backend.full_state_dict().items()}
     train_step(backend, batch.replace(old_log_probs=batch.rollout_log_probs), OBJECTIVE)
@@ -134,7 +122,7 @@ def test_freezing_kimi_k25s_vision_tower_freezes_its_projector_too(tmp_path):
     """Kimi K2.5's projector (``mm_projector``) is a sibling of its tower, not inside it as Qwen-VL's merger is."""
     from miles.recipes.models.tiny import ensure_tiny
 
-    backend = _backend(ensure_tiny("kimi-k2.5", tmp_path), freeze_vision_tower=True)
+    backend = fsdp2_backend(ensure_tiny("kimi-k2.5", tmp_path), freeze_vision_tower=True)
     frozen = ("model.vision_tower.", "model.mm_projector.")
     params = dict(backend.model.named_parameters())
     assert {n.split(".")[1] for n, p in params.items() if not p.requires_grad} == {"vision_tower", "mm_projector"}
@@ -156,17 +144,17 @@ def test_the_packed_layout_gives_the_padded_log_probs_with_images_and_text_rows(
     mixed = build_train_batch(image_samples[:3] + text_samples + image_samples[3:], torch.zeros(8),
                               pad_token_id=processor.pad_token_id)  # fmt: skip
     assert [m is None for m in mixed.multimodal_inputs] == [False] * 3 + [True] * 2 + [False] * 3
-    padded = _backend(tiny_vlm_dir).forward(mixed, outputs={"old_log_probs"}).old_log_probs
-    packed_backend = _backend(tiny_vlm_dir, batch_layout="packed")
+    padded = fsdp2_backend(tiny_vlm_dir).forward(mixed, outputs={"old_log_probs"}).old_log_probs
+    packed_backend = fsdp2_backend(tiny_vlm_dir, batch_layout="packed")
     packed = packed_backend.forward(mixed, outputs={"old_log_probs"}).old_log_probs
-    assert _max_gap(packed, padded, mixed.loss_mask) < 1e-5
-    assert _max_gap(packed, mixed.rollout_log_probs, mixed.loss_mask) < 1e-5
+    assert max_gap(packed, padded, mixed.loss_mask) < 1e-5
+    assert max_gap(packed, mixed.rollout_log_probs, mixed.loss_mask) < 1e-5
     rows = mixed.multimodal_inputs
     image_rows = [0, 1, 2, 5, 6, 7]
     swap = dict(zip(image_rows, image_rows[2:] + image_rows[:2]))  # each image row gets another prompt's pictures
     forged = tuple(rows[swap[b]] if b in swap else None for b in range(8))
     other = packed_backend.forward(mixed.replace(multimodal_inputs=forged), outputs={"old_log_probs"}).old_log_probs
-    assert _max_gap(other, padded, mixed.loss_mask) > 1e-3
+    assert max_gap(other, padded, mixed.loss_mask) > 1e-3
 
 
 def _mixed_rows(rollout):
@@ -218,28 +206,6 @@ def test_two_ranks_one_with_image_rows_one_with_text_rows_give_the_one_rank_grad
     """Two gloo ranks, rank 0 holding the image rows and rank 1 the text rows (which alone never call the vision
     tower): neither waits forever in the tower's collectives, each rank's log-probs equal the one-rank ones, and the
     reduced gradient (vision tower included) equals the one-rank gradient of the whole batch."""
-    batch = _mixed_rows(rollout)
-    torch.save(batch, tmp_path / "batch.pt")
-    worker = Path(__file__).parent / "fsdp2_vlm_worker.py"
-    args = [str(tmp_path / "init"), str(tiny_vlm_dir), str(tmp_path / "batch.pt"), str(tmp_path / "rank")]
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", *args], cwd=worker.parent) for r in range(2)]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert codes == [0, 0]
-    single = _backend(tiny_vlm_dir)
-    old = single.forward(batch, outputs={"old_log_probs"}).old_log_probs
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)["old_log_probs"]
-        width = got.shape[1]
-        rows = batch.slice(2 * rank, 2 * rank + 2)
-        assert _max_gap(got, old[2 * rank : 2 * rank + 2, :width], rows.loss_mask[:, :width]) < 1e-6
-    single.forward_backward(batch.replace(old_log_probs=old), OBJECTIVE, LossCounts.of(batch))
-    expected = single.full_gradients()
-    grads = torch.load(tmp_path / "rank0.pt", weights_only=True)["grads"]
-    assert sorted(grads) == sorted(expected)
-    assert any(n.startswith("model.visual.blocks.") and grads[n].abs().sum() > 0 for n in grads)
-    for name, grad in expected.items():
-        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    check_two_ranks_give_the_one_rank_gradient(
+        tiny_vlm_dir, _mixed_rows(rollout), tmp_path, OBJECTIVE, ("model.visual.blocks.",)
+    )
