@@ -91,38 +91,19 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
             r"expert_parallel_size 2 and pipeline_parallel_size 2 but train.world_size is 1: .* a stage's replicas "
             r"split its experts expert_parallel_size ways; set --train.world-size to a multiple of 4",
         ),
-        (  # the recipe packs its rows
-            ["--train.megatron.context-parallel-size", "2"],
-            r"train.megatron.context_parallel_size 2 with train.batch_layout packed is not supported yet: use "
-            r"--train.batch-layout padded, or --train.megatron.context-parallel-size 1",
-        ),
         (
-            ["--train.megatron.context-parallel-size", "2", "--train.batch-layout", "padded"],
+            ["--train.megatron.context-parallel-size", "2"],
             r"context_parallel_size is 2 \(tensor_parallel_size 1, pipeline_parallel_size 1\) but train.world_size "
             r"is 1: .* set --train.world-size to a multiple of 2",
         ),
         (
-            [
-                "--train.megatron.context-parallel-size",
-                "2",
-                "--train.batch-layout",
-                "padded",
-                "--train.megatron.pipeline-parallel-size",
-                "2",
-            ],
+            ["--train.megatron.context-parallel-size", "2", "--train.megatron.pipeline-parallel-size", "2"],
             r"context_parallel_size 2 with train.megatron.pipeline_parallel_size 2 is not supported yet",
-        ),  # fmt: skip
+        ),
         (
-            [
-                "--train.megatron.context-parallel-size",
-                "2",
-                "--train.batch-layout",
-                "padded",
-                "--train.megatron.tensor-parallel-size",
-                "2",
-            ],
+            ["--train.megatron.context-parallel-size", "2", "--train.megatron.tensor-parallel-size", "2"],
             r"context_parallel_size 2 with train.megatron.tensor_parallel_size 2 is not supported yet",
-        ),  # fmt: skip
+        ),
         (  # FSDP2 would ignore the layout without a word
             ["--train.backend", "fsdp2", "--train.megatron.pipeline-parallel-size", "2"],
             r"train.megatron.pipeline_parallel_size is 2 but train.backend is 'fsdp2', which does not read "

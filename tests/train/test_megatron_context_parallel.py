@@ -34,19 +34,15 @@ def test_a_length_that_is_not_a_multiple_of_2cp_is_refused_by_the_split():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (dict(batch_layout="packed"), "with train.batch_layout packed is not supported yet: use --train.batch-layout"),
         (dict(pipeline_parallel=2), "with train.megatron.pipeline_parallel_size 2 is not supported yet"),
         (dict(tensor_parallel=2), "with train.megatron.tensor_parallel_size 2 is not supported yet"),
     ],
-    ids=["packed", "pipeline", "tensor"],
+    ids=["pipeline", "tensor"],
 )
 def test_what_context_parallelism_does_not_cover_is_refused_in_one_line(settings, message):
-    kwargs = dict(context_parallel=2, tensor_parallel=1, pipeline_parallel=1, batch_layout="padded") | settings
+    kwargs = dict(context_parallel=2, tensor_parallel=1, pipeline_parallel=1) | settings
     refusal = context_parallel_refusal(**kwargs)
     assert refusal.startswith("train.megatron.context_parallel_size 2 ") and message in refusal
     assert refusal.endswith("or --train.megatron.context-parallel-size 1") and "\n" not in refusal
     assert context_parallel_refusal(**kwargs | dict(context_parallel=1)) is None
-    assert (
-        context_parallel_refusal(context_parallel=2, tensor_parallel=1, pipeline_parallel=1, batch_layout="padded")
-        is None
-    )
+    assert context_parallel_refusal(context_parallel=2, tensor_parallel=1, pipeline_parallel=1) is None

@@ -198,7 +198,7 @@ class MilesConfig(BaseModel):
 
         refusal = context_parallel_refusal(
             context_parallel=context_parallel, tensor_parallel=tensor_parallel,
-            pipeline_parallel=pipeline_parallel, batch_layout=train.batch_layout,
+            pipeline_parallel=pipeline_parallel,
         )  # fmt: skip
         if refusal is not None:
             raise ValueError(refusal)

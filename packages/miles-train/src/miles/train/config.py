@@ -83,8 +83,8 @@ class MegatronConfig(BaseModel):
         "values over the CP ranks (on the CPU: miles.train.megatron.context_parallel, the stand-in for Transformer "
         "Engine's), and the ranks' log-probs are gathered back, so results equal context_parallel_size 1. "
         "tensor_parallel_size x context_parallel_size x pipeline_parallel_size must divide train.world_size (rank "
-        "order tp-cp-ep-dp-pp). 1 = off. Dense models on train.batch_layout padded, with tensor and pipeline "
-        "parallel size 1, only yet (the rest is refused).",
+        "order tp-cp-ep-dp-pp). 1 = off. Dense models (padded or packed layout) with tensor and pipeline parallel "
+        "size 1 only yet (the rest is refused).",
     )
 
     def replica_of(self, rank: int, world_size: int) -> int:

@@ -16,7 +16,7 @@ Megatron's 1F1B pipeline schedule: activations pass from stage to stage and grad
 the log-probs and the loss.
 With ``context_parallel_size`` > 1 the context-parallel ranks of a replica split each sequence (Megatron's
 load-balanced chunks) and attend over each other's keys and values: ``miles.train.megatron.context_parallel``, the
-CPU stand-in for Transformer Engine's context parallelism (dense models, padded layout, no tensor or pipeline
+CPU stand-in for Transformer Engine's context parallelism (dense models, padded or packed, no tensor or pipeline
 parallelism yet); ``forward`` and the loss see the whole [B, T] log-probs, gathered.
 LoRA on MoE models, a critic and vision-language models are not wired in yet.
 """
@@ -377,7 +377,7 @@ class MegatronBackend:
         self.context_parallel = train.megatron.context_parallel_size
         refusal = megatron_cp.context_parallel_refusal(
             context_parallel=self.context_parallel, tensor_parallel=self.tensor_parallel,
-            pipeline_parallel=self.pipeline_parallel, batch_layout=train.batch_layout,
+            pipeline_parallel=self.pipeline_parallel,
         )  # fmt: skip
         if refusal is not None:
             raise ValueError(refusal)
@@ -609,7 +609,7 @@ class MegatronBackend:
                 model, gpt, mb.tokens, mb.attention_mask, mb.prompt_lengths, vocab_size=gpt.hf_vocab_size,
                 num_response_columns=mb.loss_mask.shape[1],
                 temperature=self.temperature if temperature is None else temperature,
-                with_entropy=with_entropy, group=self.cp_group,
+                with_entropy=with_entropy, packed=packed, group=self.cp_group,
             )  # fmt: skip
         routed = token_routing(mb, packed=packed) if mb.routed_experts is not None and self._replays(gpt) else None
 

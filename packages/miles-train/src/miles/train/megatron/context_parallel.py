@@ -3,13 +3,17 @@
 With ``train.megatron.context_parallel_size`` CP > 1 the CP ranks of a data-parallel replica get the same rows and
 split each sequence: it is right-padded to a multiple of 2 x CP, cut into 2 x CP equal chunks, and CP rank r holds
 chunks r and 2 x CP - 1 - r (Megatron's load-balanced split, ``get_batch_on_this_cp_rank``: every rank gets as much
-causal-attention work). Each rank runs the model on its own tokens only:
+causal-attention work). On the packed layout each sequence of the packed row is padded and split so (as Megatron
+splits THD batches). Each rank runs the model on its own tokens only (the model's ``TransformerConfig`` keeps
+``context_parallel_size`` 1: its layers see an ordinary, shorter sequence; Megatron's ``parallel_state`` holds the
+CP groups, so DDP reduces gradients over the data- and context-parallel ranks):
 
-- rotary embeddings at each token's global position (the table Megatron's ``RotaryEmbedding`` slices with
-  ``get_pos_emb_on_this_cp_rank``, indexed here: that function moves its index to CUDA);
+- rotary embeddings at each token's position in its sequence (the table Megatron's ``RotaryEmbedding`` slices
+  with ``get_pos_emb_on_this_cp_rank``, indexed here: that function moves its index to CUDA);
 - attention (``ContextParallelAttention``): the keys and values of every CP rank are all-gathered with autograd
   (their gradients return to the rank that owns the tokens) and each local query attends to them under a causal
-  mask built from the global positions of the queries and of the gathered keys, padded keys masked. This is what
+  mask built from the global positions of the queries and of the gathered keys, padded keys (packed: keys of other
+  sequences) masked. This is what
   Transformer Engine computes with ``cp_comm_type`` "all_gather"; Megatron's local ``DotProductAttention`` refuses
   CP ("only supported by TEDotProductAttention") and Transformer Engine has no CPU build. On GPUs with Transformer
   Engine, Megatron's ``TEDotProductAttention`` does CP itself (ring or all-gather, ``TransformerConfig.
@@ -22,13 +26,14 @@ Gradients: every CP rank computes the same loss on the gathered log-probs, so th
 ranks) hands each rank CP times its tokens' share; Megatron's DDP averages over the data- and context-parallel
 ranks (``gradient_scaling_factor`` 1 / (DP x CP)), which takes that factor back out: the gradient is one rank's.
 
-Covered: dense models (Llama, Mistral, Qwen2, Qwen3), the padded layout, tensor- and pipeline-parallel size 1.
-Refused in one line (``context_parallel_refusal``): the packed layout, pipeline or tensor parallelism with CP,
-MoE and MLA models (routing replay's token order, MLA's own attention module).
+Covered: dense models (Llama, Mistral, Qwen2, Qwen3), padded and packed layouts, tensor- and pipeline-parallel
+size 1. Refused in one line (``context_parallel_refusal``, ``model_refusal``): pipeline or tensor parallelism with
+CP, MoE and MLA models (routing replay's token order, MLA's own attention module).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -36,15 +41,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def context_parallel_refusal(
-    *, context_parallel: int, tensor_parallel: int, pipeline_parallel: int, batch_layout: str
-) -> str | None:
+def context_parallel_refusal(*, context_parallel: int, tensor_parallel: int, pipeline_parallel: int) -> str | None:
     """Why ``train.megatron.context_parallel_size`` cannot be ``context_parallel`` with these settings (one line
     naming the setting and the fix), or None."""
     if context_parallel == 1:
         return None
     for is_set, what, fix in (
-        (batch_layout == "packed", "train.batch_layout packed", "--train.batch-layout padded"),
         (pipeline_parallel > 1, f"train.megatron.pipeline_parallel_size {pipeline_parallel}", "pipeline size 1"),
         (tensor_parallel > 1, f"train.megatron.tensor_parallel_size {tensor_parallel}", "tensor size 1"),
     ):
@@ -129,6 +131,51 @@ def context_parallel_spec(block_spec):
     return block_spec
 
 
+def _rank_indices(segment_lengths: list[int], *, cp_rank: int, cp_size: int) -> Tensor:
+    """Indices into a row of consecutive segments (each a multiple of 2 x cp_size long) of CP rank ``cp_rank``'s
+    tokens: each segment's ``chunk_positions``, offset to where the segment starts. Returns: [sum / cp_size] int64."""
+    starts = [0, *itertools.accumulate(segment_lengths)][:-1]
+    return torch.cat(
+        [start + chunk_positions(n, cp_rank=cp_rank, cp_size=cp_size) for start, n in zip(starts, segment_lengths)]
+    )
+
+
+def _split_rows(tokens: Tensor, attention_mask: Tensor, *, multiple: int, packed: bool) -> dict[str, Any]:
+    """The rows the CP ranks split, each segment (a sequence) right-padded to a multiple of ``multiple``.
+
+    padded: B rows of one segment each, L' = L rounded up; packed: one row of the B sequences, each rounded up
+    (its real tokens only). Returns, R rows of S tokens: ``tokens``, ``positions`` (in the own sequence),
+    ``sequence`` (its id), ``real`` (not padding), ``targets`` (the next token of the own sequence, shifted before
+    any split), all [R, S]; ``segments`` (segment lengths of a row), ``starts`` ([B] index of each sequence's first
+    token in the flattened [R * S] rows).
+    """
+    batch, length = tokens.shape
+    if not packed:
+        padded = -(-length // multiple) * multiple
+        tokens = torch.nn.functional.pad(tokens, (0, padded - length))
+        return {
+            "tokens": tokens,
+            "positions": torch.arange(padded).expand(batch, padded),
+            "sequence": torch.zeros(batch, padded, dtype=torch.long),
+            "real": torch.nn.functional.pad(attention_mask.bool(), (0, padded - length)),
+            "targets": torch.nn.functional.pad(tokens[:, 1:], (0, 1)),
+            "segments": [padded],
+            "starts": torch.arange(batch) * padded,
+        }
+    lengths = attention_mask.bool().sum(dim=1).tolist()  # host sync (one per micro-batch, as packing needs)
+    segments = [-(-n // multiple) * multiple for n in lengths]
+    rows = [torch.nn.functional.pad(tokens[b, :n], (0, m - n)) for b, (n, m) in enumerate(zip(lengths, segments))]
+    return {
+        "tokens": torch.cat(rows)[None],
+        "positions": torch.cat([torch.arange(m) for m in segments])[None],
+        "sequence": torch.cat([torch.full((m,), b) for b, m in enumerate(segments)])[None],
+        "real": torch.cat([torch.arange(m) < n for n, m in zip(lengths, segments)])[None],
+        "targets": torch.cat([torch.nn.functional.pad(row[1:], (0, 1)) for row in rows])[None],
+        "segments": segments,
+        "starts": torch.tensor([0, *itertools.accumulate(segments)][:-1]),
+    }
+
+
 def context_parallel_log_probs(
     model: torch.nn.Module,
     gpt: torch.nn.Module,
@@ -140,52 +187,63 @@ def context_parallel_log_probs(
     num_response_columns: int,
     temperature: float,
     with_entropy: bool,
+    packed: bool,
     group: dist.ProcessGroup,
 ) -> tuple[Tensor, Tensor | None]:
-    """``miles.core.log_probs.model_response_log_probs`` of a Megatron ``GPTModel`` whose sequences are split over
-    the CP ranks of ``group``: each rank runs its ``chunk_positions`` tokens, scores them against the next token of
-    the whole sequence, and the ranks' token log-probs are gathered back. Collective over ``group`` (forward and
-    backward: every rank must call it with the same rows).
+    """``miles.core.log_probs.model_response_log_probs`` (``packed``: ``packed_model_response_log_probs``) of a
+    Megatron ``GPTModel`` whose sequences are split over the CP ranks of ``group``: each sequence is right-padded to
+    a multiple of 2 x CP (padded: the whole rows; packed: each sequence in the one packed row), each rank runs its
+    ``chunk_positions`` of every sequence, scores them against the next token of the whole sequence, and the ranks'
+    token log-probs are gathered back. Collective over ``group`` (forward and backward: every rank must call it with
+    the same rows).
 
     Args:
         model: the ``GPTModel`` (or its DDP wrapper), built with ``context_parallel_spec``; gpt: the ``GPTModel``.
         tokens: [B, L] int64, right-padded prompt + response ids, the same on every CP rank.
-        attention_mask: [B, L] bool/int, 1 on real tokens; prompt_lengths: [B] int64, p_b >= 1.
+        attention_mask: [B, L] bool/int, 1 on real tokens (a prefix of each row); prompt_lengths: [B] int64, >= 1.
         vocab_size: the HF vocabulary V (Megatron's padding rows dropped).
         num_response_columns, temperature, with_entropy: as in ``miles.core.log_probs.response_log_probs``.
-    Returns: log_probs [B, T] float32 nats (unspecified past each response: mask it); entropy [B, T] float32 or
-        None; both carry grad, the same on every CP rank.
+        packed: the packed layout (one row, attention within each sequence, positions restarting).
+    Returns: log_probs [B, T] float32 nats (padded: unspecified past each response, mask it; packed: exactly 0
+        there); entropy [B, T] float32 or None; both carry grad, the same on every CP rank.
     """
     from miles.core.log_probs import _scaled_token_log_probs
 
     cp_size, cp_rank = group.size(), group.rank()
-    batch, length = tokens.shape
-    padded = -(-length // (2 * cp_size)) * (2 * cp_size)  # tokens past the end: masked as keys, never scored
-    tokens = torch.nn.functional.pad(tokens, (0, padded - length))
-    real = torch.nn.functional.pad(attention_mask.bool(), (0, padded - length))
-    targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # [B, L'] next token: shifted before the split
-    local = chunk_positions(padded, cp_rank=cp_rank, cp_size=cp_size)  # [l] this rank's queries
-    keys = torch.cat([chunk_positions(padded, cp_rank=r, cp_size=cp_size) for r in range(cp_size)])  # [L'] gathered
-    masked = (keys[None, :] > local[:, None])[None, None] | ~real[:, keys][:, None, None, :]  # [B, 1, l, L']
+    rows = _split_rows(tokens, attention_mask, multiple=2 * cp_size, packed=packed)
+    local = _rank_indices(rows["segments"], cp_rank=cp_rank, cp_size=cp_size)  # [l] this rank's queries
+    keys = torch.cat([_rank_indices(rows["segments"], cp_rank=r, cp_size=cp_size) for r in range(cp_size)])  # [S]
+    positions, sequence = rows["positions"], rows["sequence"]
+    masked = (  # [R, 1, l, S], True = may not attend: a later token, another sequence, padding
+        (positions[:, None, keys] > positions[:, local, None])
+        | (sequence[:, None, keys] != sequence[:, local, None])
+        | ~rows["real"][:, None, keys]
+    )[:, None]
     rope = getattr(gpt, "rotary_pos_emb", None)
-    if rope is not None:  # the table at the global positions (Megatron's CP slicing needs CUDA)
-        rope.forward = lambda max_seq_len, *args, **kwargs: rope.get_emb(padded)[local]  # [l, 1, 1, d]
+    if rope is not None:  # the table at each token's position (Megatron's CP slicing needs CUDA)
+        span = int(positions.max()) + 1
+        rope.forward = lambda max_seq_len, *args, **kwargs: rope.get_emb(span)[positions[0, local]]  # [l, 1, 1, d]
     try:
-        logits = model(tokens[:, local], local[None].expand(batch, -1), masked)[..., :vocab_size]  # [B, l, V]
+        logits = model(rows["tokens"][:, local], positions[:, local], masked)[..., :vocab_size]  # [R, l, V]
     finally:
         if rope is not None:
             del rope.forward  # the class's forward again
     token_log_probs, token_entropy = _scaled_token_log_probs(
-        logits, targets[:, local], temperature=temperature, with_entropy=with_entropy
-    )  # [B, l]
-    order = torch.argsort(keys)  # gathered (CP-rank) order -> sequence order
+        logits, rows["targets"][:, local], temperature=temperature, with_entropy=with_entropy
+    )  # [R, l]
+    order = torch.argsort(keys)  # gathered (CP-rank) order -> row order
     cols = torch.arange(num_response_columns)
+    lengths = attention_mask.bool().sum(dim=1)  # [B]
     # response token t of row b is predicted at p_b - 1 + t (as response_log_probs; padding columns clamped)
-    pred_pos = (prompt_lengths[:, None] - 1 + cols[None, :]).clamp(max=length - 2)  # [B, T]
+    predicting = prompt_lengths[:, None] - 1 + cols[None, :]  # [B, T]
+    clamp = lengths[:, None] - 2 if packed else tokens.shape[1] - 2
+    index = rows["starts"][:, None] + predicting.clamp(max=clamp)  # [B, T] into the flattened [R * S]
+    beyond = predicting > lengths[:, None] - 2 if packed else None  # packed: exactly 0 past each response
 
     def columns(local_values: Tensor) -> Tensor:
-        whole = gather_sequence(local_values, dim=1, group=group)[:, order]  # [B, L']
-        return whole.gather(1, pred_pos)
+        whole = gather_sequence(local_values, dim=1, group=group)[:, order]  # [R, S]
+        values = whole.reshape(-1)[index]  # [B, T]
+        return values.masked_fill(beyond, 0.0) if packed else values
 
     entropy = columns(token_entropy) if token_entropy is not None else None
     return columns(token_log_probs), entropy
