@@ -136,3 +136,24 @@ def test_a_model_megatron_cannot_train_is_refused_before_any_engine_starts(
     with pytest.raises(RunSetupError, match=message):
         run(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_context_parallelism_refuses_an_moe_policy_before_any_engine_starts(tmp_path):
+    """CP 2 on 2 Ray ranks passes the config checks; the model check refuses an MoE policy (dense models only)."""
+    from miles.recipes.run import _check_megatron_models
+
+    model = save_moe_model("qwen3_moe", tmp_path / "qwen3_moe")
+    ranks = [
+        "--execution.mode",
+        "ray",
+        "--engine.type",
+        "sglang",
+        "--engine.server",
+        "miles",
+        "--train.world-size",
+        "2",
+    ]
+    ranks += ["--train.megatron.context-parallel-size", "2"]
+    cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(model), *OVERRIDES, *ranks])
+    with pytest.raises(RunSetupError, match=r"models.policy.path \(.*\): train.megatron.context_parallel_size 2: "):
+        _check_megatron_models(cfg, model)

@@ -174,7 +174,7 @@ def test_what_the_backend_does_not_hold_yet_is_refused_in_one_line(tiny_models, 
         convert.check_supported(AutoConfig.for_model("llama", attention_bias=True))
     with pytest.raises(ValueError, match=r"context_parallel_size 2 with train.megatron.tensor_parallel_size 2 is not"):
         _megatron(tiny_models["llama"], megatron={"context_parallel_size": 2, "tensor_parallel_size": 2})
-    for model_type, kind in (("qwen3_moe", "an MoE"), ("deepseek_v3", "an MLA")):
+    for model_type, kind in (("qwen3_moe", "an MoE"), ("deepseek_v3", "an MLA"), ("qwen2_vl", "a vision-language")):
         refusal = context_parallel.model_refusal(AutoConfig.for_model(model_type), context_parallel=2)
         assert f"model type '{model_type}' is {kind} model, and context parallelism covers dense models" in refusal
     assert context_parallel.model_refusal(AutoConfig.for_model("qwen3_moe"), context_parallel=1) is None

@@ -701,7 +701,9 @@ class MegatronBackend:
         """
 
         def backward(loss: Tensor, i: int, num_micro_batches: int) -> None:
-            (loss * self.dp_size).backward()  # DDP averages over replicas; the loss already divides by global counts
+            # DDP averages over replicas (and context-parallel ranks, whose gathered log-probs' backward sums CP
+            # copies: context_parallel); the loss already divides by global counts
+            (loss * self.dp_size).backward()
 
         if self.pipeline_parallel > 1:
             sums = self._pipelined_forward_backward(objective, batch, counts)

@@ -28,7 +28,7 @@ ranks (``gradient_scaling_factor`` 1 / (DP x CP)), which takes that factor back 
 
 Covered: dense models (Llama, Mistral, Qwen2, Qwen3), padded and packed layouts, tensor- and pipeline-parallel
 size 1. Refused in one line (``context_parallel_refusal``, ``model_refusal``): pipeline or tensor parallelism with
-CP, MoE and MLA models (routing replay's token order, MLA's own attention module).
+CP, MoE and MLA models (routing replay's token order, MLA's own attention module), vision-language models.
 """
 
 from __future__ import annotations
@@ -59,13 +59,15 @@ def context_parallel_refusal(*, context_parallel: int, tensor_parallel: int, pip
 
 
 def model_refusal(hf_config: Any, *, context_parallel: int) -> str | None:
-    """Why the HF model of ``hf_config`` cannot train with context parallelism (MoE, MLA), or None."""
+    """Why the HF model of ``hf_config`` cannot train with context parallelism (MoE, MLA, vision-language), or
+    None."""
     from miles.train.megatron import convert
 
     if context_parallel == 1:
         return None
-    if convert.is_mla(hf_config) or convert.is_moe(hf_config):
-        kind = "an MLA" if convert.is_mla(hf_config) else "an MoE"
+    vision = getattr(hf_config, "vision_config", None) is not None  # images would need splitting with their tokens
+    if vision or convert.is_mla(hf_config) or convert.is_moe(hf_config):
+        kind = "a vision-language" if vision else "an MLA" if convert.is_mla(hf_config) else "an MoE"
         return (
             f"train.megatron.context_parallel_size {context_parallel}: model type '{hf_config.model_type}' is "
             f"{kind} model, and context parallelism covers dense models only yet; use "
@@ -207,7 +209,7 @@ def context_parallel_log_probs(
     Returns: log_probs [B, T] float32 nats (padded: unspecified past each response, mask it; packed: exactly 0
         there); entropy [B, T] float32 or None; both carry grad, the same on every CP rank.
     """
-    from miles.core.log_probs import _scaled_token_log_probs
+    from miles.core.log_probs import _scaled_token_log_probs  # the same per-token arithmetic as without CP
 
     cp_size, cp_rank = group.size(), group.rank()
     rows = _split_rows(tokens, attention_mask, multiple=2 * cp_size, packed=packed)
