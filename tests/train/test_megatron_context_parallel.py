@@ -34,8 +34,16 @@ def test_a_length_that_is_not_a_multiple_of_2cp_is_refused_by_the_split():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (dict(pipeline_parallel=2), "with train.megatron.pipeline_parallel_size 2 is not supported yet"),
-        (dict(tensor_parallel=2), "with train.megatron.tensor_parallel_size 2 is not supported yet"),
+        (
+            dict(pipeline_parallel=2),
+            "with train.megatron.pipeline_parallel_size 2 is not supported yet: use "
+            "--train.megatron.pipeline-parallel-size 1, or",
+        ),
+        (
+            dict(tensor_parallel=2),
+            "with train.megatron.tensor_parallel_size 2 is not supported yet: use "
+            "--train.megatron.tensor-parallel-size 1, or",
+        ),
     ],
     ids=["pipeline", "tensor"],
 )

@@ -46,14 +46,12 @@ def context_parallel_refusal(*, context_parallel: int, tensor_parallel: int, pip
     naming the setting and the fix), or None."""
     if context_parallel == 1:
         return None
-    for is_set, what, fix in (
-        (pipeline_parallel > 1, f"train.megatron.pipeline_parallel_size {pipeline_parallel}", "pipeline size 1"),
-        (tensor_parallel > 1, f"train.megatron.tensor_parallel_size {tensor_parallel}", "tensor size 1"),
-    ):
-        if is_set:
+    for key, size in (("pipeline_parallel_size", pipeline_parallel), ("tensor_parallel_size", tensor_parallel)):
+        if size > 1:
             return (
-                f"train.megatron.context_parallel_size {context_parallel} with {what} is not supported yet: use "
-                f"{fix}, or --train.megatron.context-parallel-size 1"
+                f"train.megatron.context_parallel_size {context_parallel} with train.megatron.{key} {size} is not "
+                f"supported yet: use --train.megatron.{key.replace('_', '-')} 1, or "
+                "--train.megatron.context-parallel-size 1"
             )
     return None
 
