@@ -91,6 +91,19 @@ def test_megatron_run_trains_the_engine_follows_and_resume_is_exact(tiny_smollm2
             r"expert_parallel_size 2 and pipeline_parallel_size 2 but train.world_size is 1: .* a stage's replicas "
             r"split its experts expert_parallel_size ways; set --train.world-size to a multiple of 4",
         ),
+        (
+            ["--train.megatron.context-parallel-size", "2"],
+            r"context_parallel_size is 2 \(tensor_parallel_size 1, pipeline_parallel_size 1\) but train.world_size "
+            r"is 1: .* set --train.world-size to a multiple of 2",
+        ),
+        (
+            ["--train.megatron.context-parallel-size", "2", "--train.megatron.pipeline-parallel-size", "2"],
+            r"context_parallel_size 2 with train.megatron.pipeline_parallel_size 2 is not supported yet",
+        ),
+        (
+            ["--train.megatron.context-parallel-size", "2", "--train.megatron.tensor-parallel-size", "2"],
+            r"context_parallel_size 2 with train.megatron.tensor_parallel_size 2 is not supported yet",
+        ),
         (  # FSDP2 would ignore the layout without a word
             ["--train.backend", "fsdp2", "--train.megatron.pipeline-parallel-size", "2"],
             r"train.megatron.pipeline_parallel_size is 2 but train.backend is 'fsdp2', which does not read "
@@ -123,3 +136,24 @@ def test_a_model_megatron_cannot_train_is_refused_before_any_engine_starts(
     with pytest.raises(RunSetupError, match=message):
         run(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_context_parallelism_refuses_an_moe_policy_before_any_engine_starts(tmp_path):
+    """CP 2 on 2 Ray ranks passes the config checks; the model check refuses an MoE policy (dense models only)."""
+    from miles.recipes.run import _check_megatron_models
+
+    model = save_moe_model("qwen3_moe", tmp_path / "qwen3_moe")
+    ranks = [
+        "--execution.mode",
+        "ray",
+        "--engine.type",
+        "sglang",
+        "--engine.server",
+        "miles",
+        "--train.world-size",
+        "2",
+    ]
+    ranks += ["--train.megatron.context-parallel-size", "2"]
+    cfg = resolve_config("smollm2_grpo_arithmetic", ["--models.policy.path", str(model), *OVERRIDES, *ranks])
+    with pytest.raises(RunSetupError, match=r"models.policy.path \(.*\): train.megatron.context_parallel_size 2: "):
+        _check_megatron_models(cfg, model)

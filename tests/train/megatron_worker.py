@@ -1,6 +1,7 @@
 """Worker for the two-rank Megatron tests; run as a script:
-python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT TENSOR_PARALLEL[xEXPERT_PARALLEL][pPIPELINE_PARALLEL] LAYOUT
-[BATCH_FILE] (e.g. ``2``, ``1x2``, ``1p2``, ``1x2p2`` on 4 ranks).
+python megatron_worker.py RANK WORLD INIT_FILE MODEL OUT
+TENSOR_PARALLEL[xEXPERT_PARALLEL][cCONTEXT_PARALLEL][pPIPELINE_PARALLEL] LAYOUT [BATCH_FILE]
+(e.g. ``2``, ``1x2``, ``1c2``, ``1p2``, ``1x2p2`` on 4 ranks).
 
 Every rank: log-probs of the whole batch, forward_backward of its replica's rows with the global loss counts, full
 gradients, one optimizer step, a push into rank 0's recording sink, the full state, a checkpoint and its load (the
@@ -37,6 +38,8 @@ def main(
 
     parallel, _, pipeline = parallel.partition("p")
     pipeline_parallel = int(pipeline or 1)
+    parallel, _, context = parallel.partition("c")
+    context_parallel = int(context or 1)
     tensor_parallel, expert_parallel = (int(size) for size in (parallel + "x1").split("x")[:2])
     train = TrainConfig(
         backend="megatron",
@@ -44,6 +47,7 @@ def main(
             "tensor_parallel_size": tensor_parallel,
             "expert_parallel_size": expert_parallel,
             "pipeline_parallel_size": pipeline_parallel,
+            "context_parallel_size": context_parallel,
         },
         micro_batch_size=2,
         batch_layout=layout,
@@ -70,7 +74,7 @@ def main(
     outputs = {"old_log_probs"} | ({"ref_log_probs"} if reference else set())
     forwarded = backend.forward(batch, outputs=outputs)
     log_probs = forwarded.old_log_probs
-    replicas = world // (tensor_parallel * pipeline_parallel)
+    replicas = world // (tensor_parallel * context_parallel * pipeline_parallel)
     replica = train.megatron.replica_of(rank, world)  # Megatron's rank order: tp-cp-ep-dp-pp
     rows = batch.batch_size // replicas
     shard = batch.slice(replica * rows, (replica + 1) * rows)

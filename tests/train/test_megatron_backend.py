@@ -16,7 +16,7 @@ from batch_fixture import make_batch  # noqa: E402
 from megatron_models import VOCAB, save_tiny  # noqa: E402
 
 pytest.importorskip("megatron.core")
-from miles.train.megatron import CausalLMView, MegatronBackend, convert  # noqa: E402
+from miles.train.megatron import CausalLMView, MegatronBackend, context_parallel, convert  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="train.backend megatron trains on the CPU only")
 
@@ -172,6 +172,12 @@ def test_what_the_backend_does_not_hold_yet_is_refused_in_one_line(tiny_models, 
     # Llama's attention_bias also biases o_proj (no conversion yet): refused up front, not at load
     with pytest.raises(ValueError, match="attention biases"):
         convert.check_supported(AutoConfig.for_model("llama", attention_bias=True))
+    with pytest.raises(ValueError, match=r"context_parallel_size 2 with train.megatron.tensor_parallel_size 2 is not"):
+        _megatron(tiny_models["llama"], megatron={"context_parallel_size": 2, "tensor_parallel_size": 2})
+    for model_type, kind in (("qwen3_moe", "an MoE"), ("deepseek_v3", "an MLA"), ("qwen2_vl", "a vision-language")):
+        refusal = context_parallel.model_refusal(AutoConfig.for_model(model_type), context_parallel=2)
+        assert f"model type '{model_type}' is {kind} model, and context parallelism covers dense models" in refusal
+    assert context_parallel.model_refusal(AutoConfig.for_model("qwen3_moe"), context_parallel=1) is None
     with pytest.raises(ValueError, match=r"expert_parallel_size 2 must divide .* \(none: a dense model\)"):
         convert.transformer_config_kwargs(
             _hf(tiny_models["llama"]).config, tensor_parallel=1, expert_parallel=2, dtype=torch.float32
@@ -187,12 +193,17 @@ def test_what_the_backend_does_not_hold_yet_is_refused_in_one_line(tiny_models, 
         ("1", "padded", "qwen3", {"tp0_ep0.pt"}),
         ("1p2", "packed", "qwen3", {"tp0_pp0_ep0.pt", "tp0_pp1_ep0.pt"}),
         ("1p2", "padded", "llama", {"tp0_pp0_ep0.pt", "tp0_pp1_ep0.pt"}),
+        ("1c2", "padded", "qwen3", {"tp0_ep0.pt"}),
+        ("1c2", "padded", "llama", {"tp0_ep0.pt"}),
+        ("1c2", "packed", "qwen3", {"tp0_ep0.pt"}),
     ],
-    ids=["tp2", "dp2", "pp2-tied", "pp2-untied"],
+    ids=["tp2", "dp2", "pp2-tied", "pp2-untied", "cp2-qwen3", "cp2-llama", "cp2-packed"],
 )
 def test_two_ranks_equal_one_rank(tiny_models, tmp_path, parallel, layout, kind, optimizer_files):
-    """TP=2 (weights split over two ranks, vocabulary 33 padded to 34), DP=2 (two replicas, half the rows each) and
-    PP=2 (a layer per stage; the tied embedding on both ends; a frozen reference through the same stages):
+    """TP=2 (weights split over two ranks, vocabulary 33 padded to 34), DP=2 (two replicas, half the rows each),
+    PP=2 (a layer per stage; the tied embedding on both ends; a frozen reference through the same stages) and CP=2
+    (both ranks the same rows, each sequence split over them; padded: the micro-batches' 6 and 7 tokens padded to 8;
+    packed: each sequence of 5 to 7 tokens padded to 8 in the packed row):
     log-probs, metrics, gradients, the step, the push and the checkpoint equal the one-rank backend's."""
     path = tiny_models[kind]
     worker = Path(__file__).parent / "megatron_worker.py"

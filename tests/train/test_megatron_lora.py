@@ -143,12 +143,15 @@ def test_a_checkpoint_resumes_the_adapters_exactly_and_refuses_other_lora_settin
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("parallel", ["2", "1p2"], ids=["tensor_parallel_2", "pipeline_parallel_2"])
+@pytest.mark.parametrize(
+    "parallel", ["2", "1p2", "1c2"], ids=["tensor_parallel_2", "pipeline_parallel_2", "context_parallel_2"]
+)
 def test_two_tensor_parallel_ranks_or_stages_train_the_same_adapters_as_one(qwen2_dir, tmp_path, parallel):
     """TP=2: A of the column-parallel layers replicated and B split like the weight (gate/up strided), the reverse
     on the row-parallel ones; PP=2: each stage its layers' adapters, a reference (the adapters off) through the
-    stages: log-probs, metrics, the adapters' gradients, the step, the merged push, the adapters an adapter sync
-    would send and the checkpoint's adapters equal one rank's."""
+    stages; CP=2: whole adapters on both ranks, each sequence split over them: log-probs, metrics, the adapters'
+    gradients, the step, the merged push, the adapters an adapter sync would send and the checkpoint's adapters
+    equal one rank's."""
     worker = Path(__file__).parent / "megatron_worker.py"
     out = tmp_path / "rank0.pt"
     args = [str(tmp_path / "init"), str(qwen2_dir), str(out), parallel, "padded"]

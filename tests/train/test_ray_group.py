@@ -386,3 +386,17 @@ def test_megatron_rank_order_puts_a_replicas_pipeline_stages_world_over_pp_apart
     assert got[:, 0].tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="not a multiple of train.megatron.tensor_parallel_size x"):
         layout.replica_of(0, 6)
+
+
+def test_megatron_rank_order_gives_a_replicas_context_parallel_ranks_the_same_rows():
+    """rank = t + TP * (c + CP * (d + DP * p)). World 8 = TP 2 x CP 2 x 2 replicas: ranks 0-3 (t, c in {0, 1}) are
+    replica 0, 4-7 replica 1. CP 2 x PP 2 x 2 replicas: ranks 0, 1 (stage 0) and 4, 5 (stage 1) are replica 0."""
+    layout = MegatronConfig(tensor_parallel_size=2, context_parallel_size=2)
+    assert [layout.replica_of(rank, 8) for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    pipeline = MegatronConfig(context_parallel_size=2, pipeline_parallel_size=2)
+    assert [pipeline.replica_of(rank, 8) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [MegatronConfig(context_parallel_size=2).replica_of(rank, 2) for rank in range(2)] == [0, 0]
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size x context_parallel_size x pipeline_parallel_size \(4\)"
+    ):
+        layout.replica_of(0, 6)

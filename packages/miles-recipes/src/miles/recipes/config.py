@@ -193,7 +193,23 @@ class MilesConfig(BaseModel):
 
             megatron_targets(lora.target_modules)  # fused q/k/v and gate/up are targeted whole
         tensor_parallel, expert_parallel = mg.tensor_parallel_size, mg.expert_parallel_size
-        pipeline_parallel = mg.pipeline_parallel_size
+        pipeline_parallel, context_parallel = mg.pipeline_parallel_size, mg.context_parallel_size
+        from miles.train.megatron.context_parallel import context_parallel_refusal
+
+        refusal = context_parallel_refusal(
+            context_parallel=context_parallel, tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+        )  # fmt: skip
+        if refusal is not None:
+            raise ValueError(refusal)
+        if context_parallel > 1 and train.world_size % (tensor_parallel * context_parallel * pipeline_parallel):
+            raise ValueError(
+                f"train.megatron.context_parallel_size is {context_parallel} (tensor_parallel_size "
+                f"{tensor_parallel}, pipeline_parallel_size {pipeline_parallel}) but train.world_size is "
+                f"{train.world_size}: each sequence is split over context_parallel_size ranks of a replica; set "
+                f"--train.world-size to a multiple of {tensor_parallel * context_parallel * pipeline_parallel} "
+                "(several ranks run as Ray actors: --execution.mode ray), or a smaller size"
+            )
         product = tensor_parallel * expert_parallel * pipeline_parallel
         if train.world_size % product:
             raise ValueError(

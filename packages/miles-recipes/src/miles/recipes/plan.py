@@ -128,6 +128,8 @@ def _trainer(cfg: MilesConfig) -> list[str]:
         layout = f", tensor parallel {mg.tensor_parallel_size}, expert parallel {mg.expert_parallel_size}"
         if mg.pipeline_parallel_size > 1:
             layout += f", pipeline parallel {mg.pipeline_parallel_size}"
+        if mg.context_parallel_size > 1:
+            layout += f", context parallel {mg.context_parallel_size}"
     extras = [f"dtype {train.dtype}", f"{train.batch_layout} batches", f"micro_batch_size {train.micro_batch_size}"]
     if train.lora is not None:
         extras.append(f"LoRA rank {train.lora.rank} ({train.lora.sync} sync)")

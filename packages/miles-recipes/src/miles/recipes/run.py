@@ -1234,6 +1234,13 @@ def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:
             )
         except ValueError as err:
             raise RunSetupError(str(err)) from None
+        if cfg.train.megatron.context_parallel_size > 1:  # dense models only
+            from miles.train.megatron.context_parallel import model_refusal
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trusted)
+            if refusal := model_refusal(hf_config, context_parallel=cfg.train.megatron.context_parallel_size):
+                raise RunSetupError(f"{key} ({path}): {refusal}")
     if cfg.train.lora is not None:
         from miles.train.megatron.convert import is_moe
         from transformers import AutoConfig

@@ -73,21 +73,36 @@ class MegatronConfig(BaseModel):
         "tensor-parallel ranks consecutive, its stages world_size / pipeline_parallel_size ranks apart). With "
         "expert_parallel_size > 1 each stage's MoE layers split their experts over the replicas.",
     )
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks each sequence is split over (context parallelism, for long sequences): the CP ranks of a "
+        "data-parallel replica get the same rows, each sequence is right-padded to a multiple of 2 x "
+        "context_parallel_size and cut into 2 x context_parallel_size chunks, rank r holding chunks r and "
+        "2 x context_parallel_size - 1 - r (Megatron's load-balanced split); attention all-gathers the keys and "
+        "values over the CP ranks (on the CPU: miles.train.megatron.context_parallel, the stand-in for Transformer "
+        "Engine's), and the ranks' log-probs are gathered back, so results equal context_parallel_size 1. "
+        "tensor_parallel_size x context_parallel_size x pipeline_parallel_size must divide train.world_size (rank "
+        "order tp-cp-ep-dp-pp). 1 = off. Dense models (padded or packed layout) with tensor and pipeline parallel "
+        "size 1 only yet (the rest is refused).",
+    )
 
     def replica_of(self, rank: int, world_size: int) -> int:
         """The data-parallel replica trainer ``rank`` belongs to (its rows), in Megatron's rank order tp-cp-ep-dp-pp:
-        ``rank = t + TP * (d + DP * p)`` for tensor-parallel rank t, replica d of DP = world_size / (TP x PP) and
-        pipeline stage p, so a replica's tensor-parallel ranks are consecutive and its stages world_size / PP apart.
+        ``rank = t + TP * (c + CP * (d + DP * p))`` for tensor-parallel rank t, context-parallel rank c, replica d of
+        DP = world_size / (TP x CP x PP) and pipeline stage p, so a replica's tensor- and context-parallel ranks are
+        consecutive (all of them get the replica's rows) and its stages world_size / PP apart.
 
-        Raises: ValueError when TP x PP does not divide ``world_size``.
+        Raises: ValueError when TP x CP x PP does not divide ``world_size``.
         """
-        replica_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        splits = self.tensor_parallel_size * self.context_parallel_size  # ranks sharing one replica's stage
+        replica_size = splits * self.pipeline_parallel_size
         if world_size % replica_size:
             raise ValueError(
                 f"train.world_size {world_size} is not a multiple of train.megatron.tensor_parallel_size x "
-                f"pipeline_parallel_size ({replica_size})"
+                f"context_parallel_size x pipeline_parallel_size ({replica_size})"
             )
-        return (rank // self.tensor_parallel_size) % (world_size // replica_size)
+        return (rank // splits) % (world_size // replica_size)
 
 
 BACKEND_NAMES = {"fsdp2": "FSDP2", "megatron": "Megatron"}  # train.backend -> how logs name it
@@ -162,8 +177,8 @@ class TrainConfig(BaseModel):
         "fsdp2",
         description="fsdp2: the HF model sharded with FSDP2 (every feature). megatron: the model converted into a "
         "Megatron-core GPTModel (Llama/Mistral/Qwen2/Qwen3 dense decoders, Qwen3-MoE and DeepSeek-V3 with routing "
-        "replay; tensor, pipeline and expert parallelism from train.megatron; fp32; LoRA on dense models, without "
-        "dropout; no critic yet); needs the "
+        "replay; tensor, pipeline, expert and context parallelism from train.megatron; fp32; LoRA on dense models, "
+        "without dropout; no critic yet); needs the "
         "miles-train[megatron] extra.",
     )
     megatron: MegatronConfig = Field(

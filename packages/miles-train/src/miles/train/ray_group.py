@@ -3,7 +3,8 @@
 Each actor (``TrainWorker``) is one rank of a torch.distributed group (gloo on CPU; gloo + NCCL when its bundle has
 a GPU) and owns the backend ``train.backend`` names (``FSDP2Backend``, or ``MegatronBackend``). The driver holds the
 global batch: ``forward`` and ``forward_backward`` give each data-parallel replica its contiguous rows (an FSDP2 rank
-is a replica; a Megatron replica is ``tensor_parallel_size x pipeline_parallel_size`` ranks, which all get its rows:
+is a replica; a Megatron replica is ``tensor_parallel_size x context_parallel_size x pipeline_parallel_size`` ranks,
+which all get its rows:
 ``MegatronConfig.replica_of``), with the global ``LossCounts``, so the update equals one big batch on one rank (the
 backends' contract).
 Weights leave from rank 0's actor through the sink its ``weight_sink_factory`` builds there, never through the

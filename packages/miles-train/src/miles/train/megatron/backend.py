@@ -1,11 +1,11 @@
 """Megatron-core training backend: an HF causal LM converted into Megatron's ``GPTModel``, tensor-parallel over the
 ranks of the current process group, with the same ``TrainBackend`` contract and the same shared objective as FSDP2.
 
-Rank layout: ``world = tensor_parallel_size * data_parallel_size * pipeline_parallel_size``; Megatron's
-``parallel_state`` groups the ranks (order tp-cp-ep-dp-pp: the tensor-parallel ranks of one replica are consecutive,
-its pipeline stages outermost). Every rank of a replica runs the same rows; data-parallel replicas get their own rows
-and Megatron's ``DistributedDataParallel`` sums their gradients; with ``expert_parallel_size`` > 1 the replicas split
-each MoE layer's experts.
+Rank layout: ``world = tensor_parallel_size * context_parallel_size * data_parallel_size * pipeline_parallel_size``;
+Megatron's ``parallel_state`` groups the ranks (order tp-cp-ep-dp-pp: the tensor- and context-parallel ranks of one
+replica are consecutive, its pipeline stages outermost). Every rank of a replica runs the same rows; data-parallel
+replicas get their own rows and Megatron's ``DistributedDataParallel`` sums their gradients; with
+``expert_parallel_size`` > 1 the replicas split each MoE layer's experts.
 MoE models (Qwen3-MoE, DeepSeek-V3 / Kimi K2) replay the engine's routing (R3) when the batch carries it: each
 router's top-k is the recorded experts where a token has them, with gating weights from the live logits
 (``RecordedTopK``). LoRA sits on Megatron's fused linears (``miles.train.megatron.lora``; dense models, no dropout).
@@ -14,7 +14,11 @@ parallelism each stage's experts split over the replicas; MoE stages replay the 
 stages hold their layers' adapters), run by
 Megatron's 1F1B pipeline schedule: activations pass from stage to stage and gradients back, the last stage computes
 the log-probs and the loss.
-Context parallelism, LoRA on MoE models, a critic and vision-language models are not wired in yet.
+With ``context_parallel_size`` > 1 the context-parallel ranks of a replica split each sequence (Megatron's
+load-balanced chunks) and attend over each other's keys and values: ``miles.train.megatron.context_parallel``, the
+CPU stand-in for Transformer Engine's context parallelism (dense models, padded or packed, no tensor or pipeline
+parallelism yet); ``forward`` and the loss see the whole [B, T] log-probs, gathered.
+LoRA on MoE models, a critic and vision-language models are not wired in yet.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from miles.train.config import TrainConfig
 from miles.train.fsdp2.backend import WeightSink, all_reduce_metrics, drain_weights, ensure_process_group
 from miles.train.fsdp2.optimizer import guarded_step, warmup_schedule
 from miles.train.fsdp2.state import write_model_dir
+from miles.train.megatron import context_parallel as megatron_cp
 from miles.train.megatron import convert
 from miles.train.megatron import lora as megatron_lora
 from miles.train.megatron import qat as megatron_qat
@@ -66,19 +71,27 @@ for _message in (r".*(Apex|Transformer Engine).* not installed", r"full scope is
 BLOCK_DIAGONAL_MASK = "miles_block_diagonal_mask"  # what CausalLMView attends with (see its docstring)
 
 
-def init_parallel_state(tensor_parallel: int, expert_parallel: int = 1, pipeline_parallel: int = 1) -> None:
-    """Megatron's ``parallel_state`` over the current process group with ``tensor_parallel`` x ``pipeline_parallel``
-    ranks per replica (Megatron's default rank order tp-cp-ep-dp-pp: a replica's tensor-parallel ranks consecutive,
-    its stages world / pipeline_parallel apart, ``MegatronConfig.replica_of``) and each MoE layer's experts split
-    over ``expert_parallel`` replicas of a stage (re-initialized when an earlier backend in this process used other
-    sizes); seeds Megatron's RNG tracker.
+def init_parallel_state(
+    tensor_parallel: int, expert_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1
+) -> None:
+    """Megatron's ``parallel_state`` over the current process group with ``tensor_parallel`` x ``context_parallel``
+    x ``pipeline_parallel`` ranks per replica (Megatron's default rank order tp-cp-ep-dp-pp: a replica's tensor- and
+    context-parallel ranks consecutive, its stages world / pipeline_parallel apart, ``MegatronConfig.replica_of``)
+    and each MoE layer's experts split over ``expert_parallel`` replicas of a stage (re-initialized when an earlier
+    backend in this process used other sizes); seeds Megatron's RNG tracker.
 
-    Raises: ValueError when the world size is not a multiple of the three sizes' product.
+    Raises: ValueError when the world size is not a multiple of the sizes' product.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
+    if world % (tensor_parallel * context_parallel * pipeline_parallel):
+        raise ValueError(
+            f"train.megatron.tensor_parallel_size {tensor_parallel} x context_parallel_size {context_parallel} x "
+            f"pipeline_parallel_size {pipeline_parallel} must divide the trainer's world size {world} "
+            "(train.world_size); set --train.world-size to a multiple of their product, or smaller sizes"
+        )
     if world % (tensor_parallel * expert_parallel * pipeline_parallel):
         raise ValueError(
             f"train.megatron.tensor_parallel_size {tensor_parallel} x expert_parallel_size {expert_parallel} x "
@@ -91,13 +104,15 @@ def init_parallel_state(tensor_parallel: int, expert_parallel: int = 1, pipeline
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
-        ) == (tensor_parallel, expert_parallel, pipeline_parallel):
+            parallel_state.get_context_parallel_world_size(),
+        ) == (tensor_parallel, expert_parallel, pipeline_parallel, context_parallel):
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         expert_model_parallel_size=expert_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        context_parallel_size=context_parallel,
         order="tp-cp-ep-dp-pp",  # pp last: the one order Megatron allows for stages and experts over replicas
     )
     rng = torch.get_rng_state()
@@ -309,8 +324,7 @@ class MegatronBackend:
     """``TrainBackend`` on Megatron-core: every rank of the current process group constructs one.
 
     Arguments as ``FSDP2Backend`` (model_path, train, temperature, reference_path, teacher_path,
-    teacher_temperature, weight_sink, the models' trust_remote_code); the tensor-parallel size is
-    ``train.megatron.tensor_parallel_size``.
+    teacher_temperature, weight_sink, the models' trust_remote_code); the parallel sizes are ``train.megatron``'s.
     The reference and teacher are frozen ``GPTModel``s with the same tensor-parallel layout.
 
     With ``train.lora`` the targeted linears get adapters that follow their tensor-parallel split
@@ -321,7 +335,8 @@ class MegatronBackend:
 
     Raises: ValueError (one line naming the setting) for what this backend does not hold yet: a critic, bf16,
         LoRA dropout / MoE models, a model architecture without a conversion, a tensor-parallel size
-        that does not divide the heads or the world size.
+        that does not divide the heads or the world size, context parallelism outside what it covers
+        (``context_parallel.context_parallel_refusal``, ``model_refusal``).
     """
 
     def __init__(
@@ -359,7 +374,15 @@ class MegatronBackend:
         self.tensor_parallel = train.megatron.tensor_parallel_size
         self.expert_parallel = train.megatron.expert_parallel_size
         self.pipeline_parallel = train.megatron.pipeline_parallel_size
-        init_parallel_state(self.tensor_parallel, self.expert_parallel, self.pipeline_parallel)
+        self.context_parallel = train.megatron.context_parallel_size
+        refusal = megatron_cp.context_parallel_refusal(
+            context_parallel=self.context_parallel, tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel,
+        )  # fmt: skip
+        if refusal is not None:
+            raise ValueError(refusal)
+        init_parallel_state(self.tensor_parallel, self.expert_parallel, self.pipeline_parallel, self.context_parallel)
+        self.cp_group = parallel_state.get_context_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -434,6 +457,8 @@ class MegatronBackend:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         hf_config = self.hf_config if Path(path) == self.model_path else _hf_config(path, trust_remote_code)
+        if (refusal := megatron_cp.model_refusal(hf_config, context_parallel=self.context_parallel)) is not None:
+            raise ValueError(f"{path}: {refusal}")
         config = convert.config_class(hf_config)(
             **convert.transformer_config_kwargs(
                 hf_config,
@@ -448,6 +473,8 @@ class MegatronBackend:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
         if convert.is_mla(hf_config):  # MLA without Transformer Engine
             spec = local_mla_spec(spec, tensor_parallel=self.tensor_parallel)
+        if self.context_parallel > 1:  # attention over every CP rank's keys (Transformer Engine's, on the CPU)
+            spec = megatron_cp.context_parallel_spec(spec)
         rng = torch.get_rng_state()  # Megatron's init draws are overwritten by the HF weights; keep the run's RNG
         with pipeline_embedding_sync_skipped():
             model = GPTModel(
@@ -577,6 +604,13 @@ class MegatronBackend:
         packed = self.train_cfg.batch_layout == "packed"
         log_probs_fn = packed_model_response_log_probs if packed else model_response_log_probs
         gpt = self.gpt if model is self.model else model
+        if self.context_parallel > 1:  # this rank's chunks of each sequence, the log-probs gathered back
+            return megatron_cp.context_parallel_log_probs(
+                model, gpt, mb.tokens, mb.attention_mask, mb.prompt_lengths, vocab_size=gpt.hf_vocab_size,
+                num_response_columns=mb.loss_mask.shape[1],
+                temperature=self.temperature if temperature is None else temperature,
+                with_entropy=with_entropy, packed=packed, group=self.cp_group,
+            )  # fmt: skip
         routed = token_routing(mb, packed=packed) if mb.routed_experts is not None and self._replays(gpt) else None
 
         return log_probs_fn(
@@ -667,7 +701,9 @@ class MegatronBackend:
         """
 
         def backward(loss: Tensor, i: int, num_micro_batches: int) -> None:
-            (loss * self.dp_size).backward()  # DDP averages over replicas; the loss already divides by global counts
+            # DDP averages over replicas (and context-parallel ranks, whose gathered log-probs' backward sums CP
+            # copies: context_parallel); the loss already divides by global counts
+            (loss * self.dp_size).backward()
 
         if self.pipeline_parallel > 1:
             sums = self._pipelined_forward_backward(objective, batch, counts)
