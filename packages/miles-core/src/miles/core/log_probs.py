@@ -52,7 +52,7 @@ def packing_refusal(config) -> str | None:
     return None
 
 
-def _scaled_token_log_probs(
+def scaled_token_log_probs(
     logits: Tensor, targets: Tensor, *, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
     """log softmax(logits / temperature)[target] over the last axis, and optionally the entropy.
@@ -106,7 +106,7 @@ def response_log_probs(
     logit_pos = (pred_pos - logits_offset).clamp(min=0, max=num_logits - 1)
     resp_logits = logits.gather(1, logit_pos[..., None].expand(batch, num_response_columns, vocab))  # [B, T, V]
     targets = tokens.gather(1, pred_pos + 1)  # [B, T]
-    return _scaled_token_log_probs(resp_logits, targets, temperature=temperature, with_entropy=with_entropy)
+    return scaled_token_log_probs(resp_logits, targets, temperature=temperature, with_entropy=with_entropy)
 
 
 def model_response_log_probs(
@@ -232,7 +232,7 @@ def packed_model_response_log_probs(
         **images,
     ).logits  # [1, M, V]
     targets = packed.tokens[0, keep + 1]  # [M]
-    token_log_probs, token_entropy = _scaled_token_log_probs(
+    token_log_probs, token_entropy = scaled_token_log_probs(
         logits[0], targets, temperature=temperature, with_entropy=with_entropy
     )  # [M] each
     log_probs = token_log_probs.new_zeros(batch, num_response_columns).masked_scatter(is_response, token_log_probs)

@@ -207,7 +207,7 @@ def context_parallel_log_probs(
     Returns: log_probs [B, T] float32 nats (padded: unspecified past each response, mask it; packed: exactly 0
         there); entropy [B, T] float32 or None; both carry grad, the same on every CP rank.
     """
-    from miles.core.log_probs import _scaled_token_log_probs  # the same per-token arithmetic as without CP
+    from miles.core.log_probs import scaled_token_log_probs  # the same per-token arithmetic as without CP
 
     cp_size, cp_rank = group.size(), group.rank()
     rows = _split_rows(tokens, attention_mask, multiple=2 * cp_size, packed=packed)
@@ -228,7 +228,7 @@ def context_parallel_log_probs(
     finally:
         if rope is not None:
             del rope.forward  # the class's forward again
-    token_log_probs, token_entropy = _scaled_token_log_probs(
+    token_log_probs, token_entropy = scaled_token_log_probs(
         logits, rows["targets"][:, local], temperature=temperature, with_entropy=with_entropy
     )  # [R, l]
     order = torch.argsort(keys)  # gathered (CP-rank) order -> row order
