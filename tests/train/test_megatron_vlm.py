@@ -145,3 +145,29 @@ def test_what_megatron_does_not_run_for_vision_language_models_is_refused_in_one
         assert "\n" not in str(err.value) and "fsdp2" in str(err.value)
     with pytest.raises(ValueError, match="'qwen3_vl' is not supported \\(only qwen2_vl"):
         megatron_vision.language_config(AutoConfig.from_pretrained(tiny_vlm_dir))
+
+
+def test_after_a_step_one_push_makes_every_engine_tensor_equal_the_trainers(tiny_qwen2_vl_dir, rollout):
+    """Every engine tensor (vision tower, merger, language model, tied head) bit-equal to Megatron's after a step's
+    push, and the engine's log-probs on the image prompts equal the trainer's."""
+    from miles.core.loop import train_step
+    from miles.sync import InProcessTransport, WeightSender
+
+    backend = _megatron(tiny_qwen2_vl_dir)
+    train_step(backend, rollout.replace(old_log_probs=rollout.rollout_log_probs), OBJECTIVE)
+    after = backend.full_state_dict()
+    engine = EmbeddedEngine(tiny_qwen2_vl_dir, dtype="fp32")
+    WeightSender(InProcessTransport(engine.receiver)).push(backend.export_weights(), version=1)
+    assert engine.weight_version == 1
+    held = engine.model.state_dict()
+    assert set(held) == set(after) | {"lm_head.weight"}
+    assert torch.equal(held["lm_head.weight"], after["model.language_model.embed_tokens.weight"])
+    assert [k for k in after if not torch.equal(held[k], after[k])] == []
+    starts, ends = rollout.prompt_lengths.tolist(), (rollout.prompt_lengths + rollout.response_lengths).tolist()
+    prompts = [rollout.tokens[b, : starts[b]].tolist() for b in range(rollout.batch_size)]
+    responses = [rollout.tokens[b, starts[b] : ends[b]].tolist() for b in range(rollout.batch_size)]
+    engine_lp = engine.score(prompts, responses, temperature=1.0, multimodal=list(rollout.multimodal_inputs))
+    trainer_lp = backend.forward(rollout, outputs={"old_log_probs"}).old_log_probs
+    width = engine_lp.shape[1]
+    assert _max_gap(engine_lp, trainer_lp[:, :width], rollout.loss_mask[:, :width]) < 1e-5
+    assert _max_gap(trainer_lp, rollout.rollout_log_probs, rollout.loss_mask) > 1e-4  # the step moved the policy

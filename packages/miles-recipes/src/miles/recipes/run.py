@@ -1234,6 +1234,19 @@ def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:
             )
         except ValueError as err:
             raise RunSetupError(str(err)) from None
+    from miles.train.megatron.vision import check_supported as check_vision_language
+    from transformers import AutoConfig
+
+    megatron = cfg.train.megatron
+    try:  # a vision-language policy: Qwen2-VL at parallel sizes 1, padded, without LoRA or QAT
+        check_vision_language(
+            AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.models.policy.trust_remote_code),
+            tensor_parallel=megatron.tensor_parallel_size, pipeline_parallel=megatron.pipeline_parallel_size,
+            expert_parallel=megatron.expert_parallel_size, batch_layout=cfg.train.batch_layout,
+            lora=cfg.train.lora is not None, qat=cfg.train.qat,
+        )  # fmt: skip
+    except ValueError as err:
+        raise RunSetupError(f"models.policy.path ({model_path}): {err}") from None
     if cfg.train.lora is not None:
         from miles.train.megatron.convert import is_moe
         from transformers import AutoConfig

@@ -14,7 +14,10 @@ parallelism each stage's experts split over the replicas; MoE stages replay the 
 stages hold their layers' adapters), run by
 Megatron's 1F1B pipeline schedule: activations pass from stage to stage and gradients back, the last stage computes
 the log-probs and the loss.
-Context parallelism, LoRA on MoE models, a critic and vision-language models are not wired in yet.
+Vision-language models: Qwen2-VL (``miles.train.megatron.vision``): the language model is the ``GPTModel`` with
+multimodal RoPE, the HF vision tower and merger its replicated submodule ``visual``, image features scattered into
+the placeholders and fed as ``decoder_input``; at parallel sizes 1 with the padded layout (the rest refused).
+Context parallelism, LoRA on MoE models, a critic and other vision-language families are not wired in yet.
 """
 
 from __future__ import annotations
