@@ -343,13 +343,17 @@ def test_lora_on_smolvlm_is_refused_in_one_line(tmp_path, capsys):
     assert "(smolvlm): LoRA is not tested on Idefics3 / SmolVLM yet" in err and "Traceback" not in err
 
 
-def test_a_qwen2_vl_trains_two_grpo_steps_with_images_on_the_megatron_backend(tiny_qwen2_vl_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_qwen2_vl_trains_two_grpo_steps_with_images_on_the_megatron_backend(
+    tiny_qwen2_vl_dir, tmp_path, monkeypatch, layout
+):
     """`miles train --train.backend megatron` on a tiny Qwen2-VL: Megatron's GPTModel (multimodal RoPE) under the HF
     vision tower trains on the images the engine saw, every weight is pushed (HF names), and after the step-1 push
     engine and trainer log-probs agree; the push leaves the engine's tensors checksum-equal to the trainer's."""
     from miles.core.multimodal import load_policy_model
 
-    args = ["--models.policy.path", str(tiny_qwen2_vl_dir), "--train.backend", "megatron", "--train.dtype", "fp32"]
+    args = ["--models.policy.path", str(tiny_qwen2_vl_dir), "--train.backend", "megatron", "--train.dtype", "fp32",
+            "--train.batch-layout", layout]  # fmt: skip
     rows = _two_steps(tmp_path, monkeypatch, "megatron", *args)
     assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-5, rows
     # the checkpoint loads as the VLM with every tensor; the tower, merger and language model all trained
@@ -360,14 +364,9 @@ def test_a_qwen2_vl_trains_two_grpo_steps_with_images_on_the_megatron_backend(ti
         assert any(n.startswith(prefix) and not torch.equal(saved[n], start[n]) for n in saved), prefix
 
 
-@pytest.mark.parametrize(
-    ("override", "named"),
-    [(["--train.batch-layout", "packed"], "train.batch_layout packed"), (["--train.lora.rank", "4"], "train.lora")],
-)
-def test_what_megatron_does_not_run_for_a_qwen2_vl_is_refused_before_any_model_loads(
-    tiny_qwen2_vl_dir, tmp_path, capsys, override, named
-):
-    args = ["--models.policy.path", str(tiny_qwen2_vl_dir), "--train.backend", "megatron", *override]
+def test_lora_on_a_qwen2_vl_on_megatron_is_refused_before_any_model_loads(tiny_qwen2_vl_dir, tmp_path, capsys):
+    """(The other refusals of miles.train.megatron.vision.check_supported: tests/train/test_megatron_vlm.py.)"""
+    args = ["--models.policy.path", str(tiny_qwen2_vl_dir), "--train.backend", "megatron", "--train.lora.rank", "4"]
     assert main(["train", "--recipe", RECIPE, "--run.dir", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err
-    assert f"not with {named} yet; use --train.backend fsdp2" in err and "Traceback" not in err
+    assert "not with train.lora yet; use --train.backend fsdp2" in err and "Traceback" not in err

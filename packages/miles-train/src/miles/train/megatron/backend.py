@@ -16,7 +16,7 @@ Megatron's 1F1B pipeline schedule: activations pass from stage to stage and grad
 the log-probs and the loss.
 Vision-language models: Qwen2-VL (``miles.train.megatron.vision``): the language model is the ``GPTModel`` with
 multimodal RoPE, the HF vision tower and merger its replicated submodule ``visual``, image features scattered into
-the placeholders and fed as ``decoder_input``; at parallel sizes 1 with the padded layout (the rest refused).
+the placeholders and fed as ``decoder_input``; at parallel sizes 1, padded or packed (the rest refused).
 Context parallelism, LoRA on MoE models, a critic and other vision-language families are not wired in yet.
 """
 
@@ -385,7 +385,7 @@ class MegatronBackend:
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         megatron_vision.check_supported(
             self.hf_config, tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
-            expert_parallel=self.expert_parallel, batch_layout=train.batch_layout, lora=lora is not None, qat=train.qat,
+            expert_parallel=self.expert_parallel, lora=lora is not None, qat=train.qat,
         )  # fmt: skip
         if lora is not None and convert.is_moe(self.hf_config):
             raise ValueError(
@@ -594,7 +594,7 @@ class MegatronBackend:
         gpt = self.gpt if model is self.model else model
         routed = token_routing(mb, packed=packed) if mb.routed_experts is not None and self._replays(gpt) else None
 
-        if hasattr(gpt, "visual"):  # a vision-language model: the rows' images in, padded layout
+        if hasattr(gpt, "visual"):  # a vision-language model: the rows' images in
             view = megatron_vision.VisionLanguageView(model, self.hf_config, gpt.hf_vocab_size, gpt=gpt)
             return log_probs_fn(
                 view,

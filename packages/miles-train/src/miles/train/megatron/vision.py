@@ -18,13 +18,14 @@ build it.
   carry every tensor FSDP2's export of the same model carries, under the same names (a tied head once, as the
   embedding).
 
-Supported: ``qwen2_vl`` at tensor-, pipeline- and expert-parallel size 1, the padded batch layout, no LoRA
+Supported: ``qwen2_vl`` at tensor-, pipeline- and expert-parallel size 1, padded and packed batches, no LoRA
 or QAT (``check_supported`` refuses the rest in one line). Other VLM families (Qwen3-VL's DeepStack and interleaved
 multimodal RoPE, Qwen3.5, SmolVLM / Idefics3 tiles, Kimi K2.5) have no Megatron path here.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 from types import SimpleNamespace
@@ -35,6 +36,7 @@ from miles.train.megatron import convert
 from torch import Tensor
 
 SUPPORTED_VLM_TYPES = ("qwen2_vl",)
+BLOCK_DIAGONAL_MASK = "miles_block_diagonal_mask"  # as backend.CausalLMView: the attention the packed layout checks
 VISUAL = "visual."  # the vision tower's prefix inside the GPTModel (HF: model.visual.)
 _HF_VISUAL, _HF_TEXT = "model.visual.", "model.language_model."
 
@@ -79,7 +81,6 @@ def check_supported(
     tensor_parallel: int,
     pipeline_parallel: int,
     expert_parallel: int,
-    batch_layout: str,
     lora: bool,
     qat: str,
 ) -> None:
@@ -92,7 +93,6 @@ def check_supported(
         f"train.megatron.tensor_parallel_size {tensor_parallel}": tensor_parallel > 1,
         f"train.megatron.pipeline_parallel_size {pipeline_parallel}": pipeline_parallel > 1,
         f"train.megatron.expert_parallel_size {expert_parallel}": expert_parallel > 1,
-        "train.batch_layout packed": batch_layout == "packed",
         "train.lora": lora,
         f"train.qat {qat}": qat != "none",
     }
@@ -100,7 +100,7 @@ def check_supported(
         if refused:
             raise ValueError(
                 f"train.backend megatron trains vision-language models (Qwen2-VL) at parallel sizes 1 with "
-                f"train.batch_layout padded, without LoRA or QAT, not with {what} yet; use --train.backend fsdp2"
+                f"without LoRA or QAT, not with {what} yet; use --train.backend fsdp2"
             )
 
 
@@ -161,28 +161,44 @@ def rope_positions(hf_config: Any, input_ids: Tensor, attention_mask: Tensor, im
     batch, length = input_ids.shape
     if image_grid_thw is None:
         return torch.arange(length, device=input_ids.device).view(1, 1, -1).expand(3, batch, -1)
+    is_image = (input_ids == hf_config.image_token_id).to(torch.int32)
+    positions, _ = hf_rope_index(hf_config, input_ids, is_image, image_grid_thw, attention_mask=attention_mask)
+    return positions
+
+
+def hf_rope_index(
+    hf_config: Any,
+    input_ids: Tensor,
+    mm_token_type_ids: Tensor,
+    image_grid_thw: Tensor | None = None,
+    video_grid_thw: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Transformers' ``Qwen2VLModel.get_rope_index`` for ``hf_config`` without an HF model (it reads the config and
+    one sibling method only). Returns: position ids [3, B, L] int64, rope deltas [B, 1]."""
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
-    holder = SimpleNamespace(config=hf_config)  # get_rope_index reads self.config and one sibling method only
+    holder = SimpleNamespace(config=hf_config)
     holder.get_vision_position_ids = functools.partial(Qwen2VLModel.get_vision_position_ids, holder)
-    positions, _ = Qwen2VLModel.get_rope_index(
-        holder,
-        input_ids,
-        mm_token_type_ids=(input_ids == hf_config.image_token_id).to(torch.int32),
-        image_grid_thw=image_grid_thw,
+    return Qwen2VLModel.get_rope_index(
+        holder, input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
         attention_mask=attention_mask,
-    )
-    return positions
+    )  # fmt: skip
 
 
 class VisionLanguageView:
     """A Megatron ``GPTModel`` holding a vision tower (``attach_vision_tower``), called as
     ``miles.core.log_probs.model_response_log_probs`` calls an HF vision-language model.
 
-    ``view(input_ids=[B, L], attention_mask=[B, L], logits_to_keep=int, pixel_values=[P, D] | None,
-    image_grid_thw=[I, 3] | None)`` returns an object with ``.logits`` [B, K, V] float (V: the HF vocabulary).
-    Right-padded rows attend causally, never to padded keys. As HF's embedding (``padding_idx``), the pad token's
-    embedding row gets no gradient from the input side (the tied head's still reaches it); its value is unchanged.
+    ``view(input_ids=[B, L], attention_mask=[B, L] | None, position_ids=[4, 1, L] | [1, L] | None,
+    logits_to_keep=int | [M], pixel_values=[P, D] | None, image_grid_thw=[I, 3] | None)`` returns an object with
+    ``.logits`` [B, K, V] float (V: the HF vocabulary). Padded layout (``attention_mask``): right-padded rows attend
+    causally, never to padded keys, at ``rope_positions``. Packed layout (no mask, one row): ``position_ids`` are
+    ``miles.core.multimodal.packed_position_ids``' text positions restarting at each sequence (which attends only
+    within itself: a block-diagonal causal mask) over its multimodal RoPE positions ([1, L]: a text-only batch, the
+    same positions on all three components); ``get_rope_index`` is there for ``packed_position_ids``.
+    As HF's embedding (``padding_idx``), the pad token's embedding row gets no gradient from the input side (the tied
+    head's still reaches it); its value is unchanged.
 
     Args:
         model: the ``GPTModel`` (or its DDP wrapper); gpt: the ``GPTModel`` itself.
@@ -192,20 +208,39 @@ class VisionLanguageView:
     """
 
     def __init__(self, model: torch.nn.Module, hf_config: Any, vocab_size: int, *, gpt: torch.nn.Module) -> None:
-        self.model, self.gpt, self.config, self.vocab_size = model, gpt, hf_config, vocab_size
+        # not .model: packed_position_ids looks for get_rope_index on view.model, else on the view
+        self.megatron, self.gpt, self.vocab_size = model, gpt, vocab_size
+        self.config = copy.deepcopy(hf_config)  # (small) with the attention log_probs checks for the packed layout
+        self.config._attn_implementation = BLOCK_DIAGONAL_MASK
+
+    def get_rope_index(self, input_ids: Tensor, mm_token_type_ids: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """HF's ``get_rope_index`` (``hf_rope_index``) for this view's model."""
+        return hf_rope_index(self.config, input_ids, mm_token_type_ids, **kwargs)
 
     def forward(
         self,
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
-        logits_to_keep: int = 0,
+        position_ids: Tensor | None = None,
+        logits_to_keep: int | Tensor = 0,
         pixel_values: Tensor | None = None,
         image_grid_thw: Tensor | None = None,
         mm_token_type_ids: Tensor | None = None,
+        **_flash_kwargs: Any,
     ) -> SimpleNamespace:
-        """See the class docstring. ``mm_token_type_ids`` is ignored: the positions come from the placeholders."""
-        assert attention_mask is not None, "the padded layout only (check_supported refuses packed batches)"
-        positions = rope_positions(self.config, input_ids, attention_mask, image_grid_thw)  # [3, B, L]
+        """See the class docstring. ``mm_token_type_ids`` is ignored: the placeholders are the image tokens."""
+        length = input_ids.shape[1]
+        steps = torch.arange(length, device=input_ids.device)
+        masked = steps[None, :] > steps[:, None]  # [L, L], True = may not attend (Megatron's convention)
+        if attention_mask is not None:  # padded
+            positions = rope_positions(self.config, input_ids, attention_mask, image_grid_thw)  # [3, B, L]
+            masked = masked[None, None] | ~attention_mask.bool()[:, None, None, :]  # [B, 1, L, L]
+        else:  # packed: one row, sequences where the text positions restart
+            assert position_ids is not None, "the packed layout passes position ids"
+            text = position_ids[0] if position_ids.dim() == 3 else position_ids  # [1, L]
+            positions = position_ids[1:] if position_ids.dim() == 3 else text[None].expand(3, -1, -1)  # [3, 1, L]
+            sequence = (text == 0).cumsum(dim=-1)  # [1, L]
+            masked = masked[None, None] | (sequence[:, None, :, None] != sequence[:, None, None, :])  # [1, 1, L, L]
         embeds = self.gpt.embedding(input_ids=input_ids, position_ids=None).transpose(0, 1)  # [B, L, H]
         pad = self.config.text_config.pad_token_id
         if pad is not None:  # HF's nn.Embedding(padding_idx=pad): the pad token's row gets no input gradient
@@ -214,12 +249,11 @@ class VisionLanguageView:
             features = self.gpt.visual(pixel_values.to(embeds.dtype), grid_thw=image_grid_thw).pooler_output
             is_image = (input_ids == self.config.image_token_id)[..., None].expand_as(embeds)  # [B, L, H]
             embeds = embeds.masked_scatter(is_image, features.to(embeds.dtype))  # row-major, as HF's
-        length = input_ids.shape[1]
-        steps = torch.arange(length, device=input_ids.device)
-        masked = (steps[None, :] > steps[:, None])[None, None] | ~attention_mask.bool()[:, None, None, :]  # [B,1,L,L]
-        logits = self.model(input_ids, positions, masked, decoder_input=embeds.transpose(0, 1).contiguous())
+        logits = self.megatron(input_ids, positions, masked, decoder_input=embeds.transpose(0, 1).contiguous())
         logits = logits[..., : self.vocab_size]  # [B, L, V]
-        if logits_to_keep:
+        if isinstance(logits_to_keep, Tensor):
+            logits = logits[:, logits_to_keep]
+        elif logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         return SimpleNamespace(logits=logits)
 
