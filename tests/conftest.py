@@ -126,10 +126,11 @@ def tiny_vlm_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
-    """A tiny random Qwen2-VL (``qwen2_vl``): a 2-layer Qwen2 text model of width 16 (2 heads of 8, multimodal RoPE
-    sections [2, 1, 1], tied head), a 2-block vision tower of width 16 (16 px patches, 2 x 2 merged), SmolLM2's
-    tokenizer with Qwen-VL's vision tokens, the tiny VLM twin's chat template and image processor (64 px: 4 tokens).
-    About 0.80 M parameters, nearly all the 49 k x 16 embedding."""
+    """A tiny random Qwen2-VL (``qwen2_vl``): a 2-layer Qwen2 text model of width 16 (2 query and 2 key/value heads
+    of 8, so tensor parallelism 2 splits them; multimodal RoPE sections [2, 1, 1], tied head), a 2-block vision
+    tower of width 16 (16 px patches, 2 x 2 merged), SmolLM2's tokenizer with Qwen-VL's vision tokens, the tiny VLM
+    twin's chat template and image processor (64 px: 4 tokens). About 0.83 M parameters, nearly all the 49 k x 16
+    embedding."""
     import torch
     from miles.recipes.models.smollm2 import ensure_smollm2
     from miles.recipes.models.tiny import IMAGE_PROCESSOR, VISION_TOKENS, VLM_CHAT_TEMPLATE
@@ -142,7 +143,7 @@ def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
     config = Qwen2VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
                          rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id),

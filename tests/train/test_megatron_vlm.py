@@ -44,11 +44,11 @@ def rollout(tiny_qwen2_vl_dir):
 
 
 def _megatron(path, **train) -> MegatronBackend:
-    return MegatronBackend(path, train=TrainConfig(backend="megatron", **TRAIN, **train), temperature=1.0)
+    return MegatronBackend(path, train=TrainConfig(backend="megatron", **(TRAIN | train)), temperature=1.0)
 
 
 def _fsdp2(path, **train) -> FSDP2Backend:
-    return FSDP2Backend(path, train=TrainConfig(**TRAIN, **train), temperature=1.0)
+    return FSDP2Backend(path, train=TrainConfig(**(TRAIN | train)), temperature=1.0)
 
 
 def _max_gap(a, b, mask):
@@ -139,9 +139,9 @@ def test_what_megatron_does_not_run_for_vision_language_models_is_refused_in_one
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(tiny_qwen2_vl_dir)
-    base = dict(tensor_parallel=1, pipeline_parallel=1, expert_parallel=1, lora=False, qat="none")
+    base = dict(pipeline_parallel=1, expert_parallel=1, lora=False, qat="none")
     megatron_vision.check_supported(config, **base)
-    for change, named in ((dict(tensor_parallel=2), "tensor_parallel_size 2"),
+    for change, named in (
                           (dict(lora=True), "train.lora"), (dict(pipeline_parallel=2), "pipeline_parallel_size 2"),
                           (dict(qat="int4"), "train.qat int4")):  # fmt: skip
         with pytest.raises(ValueError, match=named) as err:
@@ -175,3 +175,40 @@ def test_after_a_step_one_push_makes_every_engine_tensor_equal_the_trainers(tiny
     width = engine_lp.shape[1]
     assert _max_gap(engine_lp, trainer_lp[:, :width], rollout.loss_mask[:, :width]) < 1e-5
     assert _max_gap(trainer_lp, rollout.rollout_log_probs, rollout.loss_mask) > 1e-4  # the step moved the policy
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("parallel", ["2", "1"], ids=["tp2", "dp2"])
+def test_two_ranks_equal_one_rank_with_images(tiny_qwen2_vl_dir, rollout, tmp_path, parallel):
+    """TP=2 (the language model split, the vision tower replicated on both ranks, its gradient whole on each) and
+    DP=2 (half the image rows each, DDP summing the tower's gradients like any other): log-probs, gradients (HF
+    names), the clipped step, the push and the checkpoint equal one rank's (``megatron_worker.py``)."""
+    import dataclasses
+    import subprocess
+
+    batch_file, out = tmp_path / "batch.pt", tmp_path / "rank0.pt"
+    torch.save({f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}, batch_file)
+    worker = Path(__file__).parent / "megatron_worker.py"
+    args = [str(tmp_path / "init"), str(tiny_qwen2_vl_dir), str(out), parallel, "padded", str(batch_file)]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", *args], cwd=worker.parent) for r in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    result = torch.load(out, weights_only=True)
+    single = _megatron(tiny_qwen2_vl_dir, micro_batch_size=2, adam_eps=1e-4)  # the worker's settings
+    mask = rollout.loss_mask
+    lp = single.forward(rollout, outputs={"old_log_probs"}).old_log_probs
+    assert _max_gap(result["log_probs"], lp, mask) < 1e-5
+    objective = PolicyObjective(AlgorithmConfig(), max_new_tokens=8)  # the worker's
+    metrics = single.forward_backward(rollout, objective, LossCounts.of(rollout))
+    assert result["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-5)
+    grads = single.full_gradients()
+    assert set(result["grads"]) == set(grads) and any(n.startswith("model.visual.merger.") for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(result["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    step = single.optimizer_step()
+    assert result["step"]["grad_norm"] == pytest.approx(step["grad_norm"], rel=1e-5)
+    state = single.full_state_dict()
+    assert set(result["pushed"]) == set(state)
+    for name, tensor in state.items():
+        torch.testing.assert_close(result["state"][name], tensor, atol=1e-6, rtol=0, msg=name)
+        assert torch.equal(result["pushed"][name], result["state"][name]), name
+        assert torch.equal(result["reloaded"][name], result["state"][name]), name

@@ -1238,10 +1238,10 @@ def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:
     from transformers import AutoConfig
 
     megatron = cfg.train.megatron
-    try:  # a vision-language policy: Qwen2-VL at parallel sizes 1, without LoRA or QAT
+    try:  # a vision-language policy: Qwen2-VL without pipeline / expert parallelism, LoRA or QAT
         check_vision_language(
             AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.models.policy.trust_remote_code),
-            tensor_parallel=megatron.tensor_parallel_size, pipeline_parallel=megatron.pipeline_parallel_size,
+            pipeline_parallel=megatron.pipeline_parallel_size,
             expert_parallel=megatron.expert_parallel_size,
             lora=cfg.train.lora is not None, qat=cfg.train.qat,
         )  # fmt: skip

@@ -16,7 +16,7 @@ Megatron's 1F1B pipeline schedule: activations pass from stage to stage and grad
 the log-probs and the loss.
 Vision-language models: Qwen2-VL (``miles.train.megatron.vision``): the language model is the ``GPTModel`` with
 multimodal RoPE, the HF vision tower and merger its replicated submodule ``visual``, image features scattered into
-the placeholders and fed as ``decoder_input``; at parallel sizes 1, padded or packed (the rest refused).
+the placeholders and fed as ``decoder_input``; tensor- and data-parallel, padded or packed (the rest refused).
 Context parallelism, LoRA on MoE models, a critic and other vision-language families are not wired in yet.
 """
 
@@ -384,7 +384,7 @@ class MegatronBackend:
         self.trust_remote_code = trust_remote_code
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         megatron_vision.check_supported(
-            self.hf_config, tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
+            self.hf_config, pipeline_parallel=self.pipeline_parallel,
             expert_parallel=self.expert_parallel, lora=lora is not None, qat=train.qat,
         )  # fmt: skip
         if lora is not None and convert.is_moe(self.hf_config):

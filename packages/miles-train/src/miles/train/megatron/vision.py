@@ -18,9 +18,12 @@ build it.
   carry every tensor FSDP2's export of the same model carries, under the same names (a tied head once, as the
   embedding).
 
-Supported: ``qwen2_vl`` at tensor-, pipeline- and expert-parallel size 1, padded and packed batches, no LoRA
-or QAT (``check_supported`` refuses the rest in one line). Other VLM families (Qwen3-VL's DeepStack and interleaved
-multimodal RoPE, Qwen3.5, SmolVLM / Idefics3 tiles, Kimi K2.5) have no Megatron path here.
+Supported: ``qwen2_vl``, tensor-parallel (the language model split as a text Qwen2's, no sequence parallelism for
+a dense model, so every rank holds the whole decoder input; the tower replicated, its gradient whole on each rank
+because Megatron's column-parallel input all-reduces the decoder input's gradient) and data-parallel, padded and
+packed batches; pipeline and expert parallelism, LoRA and QAT are refused in one line (``check_supported``).
+Other VLM families (Qwen3-VL's DeepStack and interleaved multimodal RoPE, Qwen3.5, SmolVLM / Idefics3 tiles,
+Kimi K2.5) have no Megatron path here.
 """
 
 from __future__ import annotations
@@ -78,7 +81,6 @@ def mrope_section(hf_config: Any) -> list[int]:
 def check_supported(
     hf_config: Any,
     *,
-    tensor_parallel: int,
     pipeline_parallel: int,
     expert_parallel: int,
     lora: bool,
@@ -90,7 +92,6 @@ def check_supported(
         return
     language_config(hf_config)  # the model type
     refusals = {
-        f"train.megatron.tensor_parallel_size {tensor_parallel}": tensor_parallel > 1,
         f"train.megatron.pipeline_parallel_size {pipeline_parallel}": pipeline_parallel > 1,
         f"train.megatron.expert_parallel_size {expert_parallel}": expert_parallel > 1,
         "train.lora": lora,
@@ -99,7 +100,7 @@ def check_supported(
     for what, refused in refusals.items():
         if refused:
             raise ValueError(
-                f"train.backend megatron trains vision-language models (Qwen2-VL) at parallel sizes 1 with "
+                f"train.backend megatron trains vision-language models (Qwen2-VL) with tensor and data parallelism, "
                 f"without LoRA or QAT, not with {what} yet; use --train.backend fsdp2"
             )
 
@@ -210,6 +211,8 @@ class VisionLanguageView:
     def __init__(self, model: torch.nn.Module, hf_config: Any, vocab_size: int, *, gpt: torch.nn.Module) -> None:
         # not .model: packed_position_ids looks for get_rope_index on view.model, else on the view
         self.megatron, self.gpt, self.vocab_size = model, gpt, vocab_size
+        # the decoder input is the whole sequence on every tensor-parallel rank (dense Qwen2: no sequence parallelism)
+        assert not gpt.config.sequence_parallel, "scattering image features into a sequence-parallel chunk"
         self.config = copy.deepcopy(hf_config)  # (small) with the attention log_probs checks for the packed layout
         self.config._attn_implementation = BLOCK_DIAGONAL_MASK
 
