@@ -125,6 +125,47 @@ def tiny_vlm_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2-VL (``qwen2_vl``): a 2-layer Qwen2 text model of width 16 (2 query and 2 key/value heads
+    of 8, so tensor parallelism 2 splits them; multimodal RoPE sections [2, 1, 1], tied head), a 2-block vision
+    tower of width 16 (16 px patches, 2 x 2 merged), SmolLM2's tokenizer with Qwen-VL's vision tokens, the tiny VLM
+    twin's chat template and image processor (64 px: 4 tokens). About 0.83 M parameters, nearly all the 49 k x 16
+    embedding."""
+    import torch
+    from miles.recipes.models.smollm2 import ensure_smollm2
+    from miles.recipes.models.tiny import IMAGE_PROCESSOR, VISION_TOKENS, VLM_CHAT_TEMPLATE
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    path = tmp_path_factory.mktemp("tiny_qwen2_vl")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=2, embed_dim=16, num_heads=2, mlp_ratio=2, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, hidden_size=16),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config)
+    with torch.no_grad():  # q/k/v biases start at 0 in HF's init: draw them so their conversion is exercised
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_smolvlm_dir(tmp_path_factory) -> Path:
     """The tiny random SmolVLM twin (``miles.recipes.models.tiny_smolvlm``): Idefics3-layout tiles, processor."""
     from miles.recipes.models.tiny_smolvlm import ensure_tiny_smolvlm

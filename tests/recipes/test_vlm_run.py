@@ -69,7 +69,11 @@ def test_the_vlm_recipe_runs_two_grpo_steps_with_images_and_engine_and_trainer_a
             "only, not "
             "with engine.weight_transfer disk yet; set --engine.type embedded or sglang",
         ),
-        (["--train.backend", "megatron"], "model type 'qwen3_vl' has no Megatron conversion yet"),
+        (
+            ["--train.backend", "megatron"],
+            "vision-language model type 'qwen3_vl' is not supported (only qwen2_vl: Qwen2-VL, its language model a "
+            "Qwen2 under multimodal RoPE); use --train.backend fsdp2",
+        ),
         (  # was found only when every sample of step 1 failed to render
             ["--models.policy.path", "tiny-qwen3"],
             "is a text-only model but the prompts carry images (data.image_key or the bundled visual task)",
@@ -337,3 +341,32 @@ def test_lora_on_smolvlm_is_refused_in_one_line(tmp_path, capsys):
     assert main(["train", "--recipe", RECIPE, *args]) == 2
     err = capsys.readouterr().err
     assert "(smolvlm): LoRA is not tested on Idefics3 / SmolVLM yet" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_qwen2_vl_trains_two_grpo_steps_with_images_on_the_megatron_backend(
+    tiny_qwen2_vl_dir, tmp_path, monkeypatch, layout
+):
+    """`miles train --train.backend megatron` on a tiny Qwen2-VL: Megatron's GPTModel (multimodal RoPE) under the HF
+    vision tower trains on the images the engine saw, every weight is pushed (HF names), and after the step-1 push
+    engine and trainer log-probs agree; the push leaves the engine's tensors checksum-equal to the trainer's."""
+    from miles.core.multimodal import load_policy_model
+
+    args = ["--models.policy.path", str(tiny_qwen2_vl_dir), "--train.backend", "megatron", "--train.dtype", "fp32",
+            "--train.batch-layout", layout]  # fmt: skip
+    rows = _two_steps(tmp_path, monkeypatch, "megatron", *args)
+    assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-5, rows
+    # the checkpoint loads as the VLM with every tensor; the tower, merger and language model all trained
+    saved = load_policy_model(tmp_path / "megatron" / "checkpoints" / "step_2" / "model").state_dict()
+    start = load_policy_model(tiny_qwen2_vl_dir).state_dict()
+    assert set(saved) == set(start)
+    for prefix in ("model.visual.blocks.", "model.visual.merger.", "model.language_model.layers."):
+        assert any(n.startswith(prefix) and not torch.equal(saved[n], start[n]) for n in saved), prefix
+
+
+def test_lora_on_a_qwen2_vl_on_megatron_is_refused_before_any_model_loads(tiny_qwen2_vl_dir, tmp_path, capsys):
+    """(The other refusals of miles.train.megatron.vision.check_supported: tests/train/test_megatron_vlm.py.)"""
+    args = ["--models.policy.path", str(tiny_qwen2_vl_dir), "--train.backend", "megatron", "--train.lora.rank", "4"]
+    assert main(["train", "--recipe", RECIPE, "--run.dir", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert "not with train.lora yet; use --train.backend fsdp2" in err and "Traceback" not in err

@@ -1241,6 +1241,19 @@ def _check_megatron_models(cfg: MilesConfig, model_path: Path) -> None:
             hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trusted)
             if refusal := model_refusal(hf_config, context_parallel=cfg.train.megatron.context_parallel_size):
                 raise RunSetupError(f"{key} ({path}): {refusal}")
+    from miles.train.megatron.vision import check_supported as check_vision_language
+    from transformers import AutoConfig
+
+    megatron = cfg.train.megatron
+    try:  # a vision-language policy: Qwen2-VL without pipeline / expert parallelism, LoRA or QAT
+        check_vision_language(
+            AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.models.policy.trust_remote_code),
+            pipeline_parallel=megatron.pipeline_parallel_size,
+            expert_parallel=megatron.expert_parallel_size,
+            lora=cfg.train.lora is not None, qat=cfg.train.qat,
+        )  # fmt: skip
+    except ValueError as err:
+        raise RunSetupError(f"models.policy.path ({model_path}): {err}") from None
     if cfg.train.lora is not None:
         from miles.train.megatron.convert import is_moe
         from transformers import AutoConfig

@@ -18,7 +18,10 @@ With ``context_parallel_size`` > 1 the context-parallel ranks of a replica split
 load-balanced chunks) and attend over each other's keys and values: ``miles.train.megatron.context_parallel``, the
 CPU stand-in for Transformer Engine's context parallelism (dense models, padded or packed, no tensor or pipeline
 parallelism yet); ``forward`` and the loss see the whole [B, T] log-probs, gathered.
-LoRA on MoE models, a critic and vision-language models are not wired in yet.
+Vision-language models: Qwen2-VL (``miles.train.megatron.vision``): the language model is the ``GPTModel`` with
+multimodal RoPE, the HF vision tower and merger its replicated submodule ``visual``, image features scattered into
+the placeholders and fed as ``decoder_input``; tensor- and data-parallel, padded or packed (the rest refused).
+LoRA on MoE models, a critic and other vision-language families are not wired in yet.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from miles.train.megatron import context_parallel as megatron_cp
 from miles.train.megatron import convert
 from miles.train.megatron import lora as megatron_lora
 from miles.train.megatron import qat as megatron_qat
+from miles.train.megatron import vision as megatron_vision
 from miles.train.megatron.cpu import (
     apply_if_no_gpu,
     local_mla_spec,
@@ -402,12 +406,18 @@ class MegatronBackend:
         self.weight_sink = weight_sink
         self.trust_remote_code = trust_remote_code
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        megatron_vision.check_supported(
+            self.hf_config, pipeline_parallel=self.pipeline_parallel,
+            expert_parallel=self.expert_parallel, lora=lora is not None, qat=train.qat,
+        )  # fmt: skip
         if lora is not None and convert.is_moe(self.hf_config):
             raise ValueError(
                 "train.backend megatron does not support train.lora on MoE models yet; use --train.backend fsdp2 "
                 "or --train.lora off"
             )
         self.gpt = self._build(model_path, trust_remote_code=trust_remote_code)
+        if train.freeze_vision_tower and hasattr(self.gpt, "visual"):  # before DDP and the optimizer
+            self.gpt.visual.requires_grad_(False)
         if train.qat != "none":  # the policy computes with the engine's quantized weights (not the reference)
             quantized = megatron_qat.apply_megatron_qat(self.gpt, train.qat, tensor_parallel=self.tensor_parallel)
             logger.info("train.qat %s: %d Megatron linear weights fake-quantized", train.qat, len(quantized))
@@ -459,14 +469,17 @@ class MegatronBackend:
         hf_config = self.hf_config if Path(path) == self.model_path else _hf_config(path, trust_remote_code)
         if (refusal := megatron_cp.model_refusal(hf_config, context_parallel=self.context_parallel)) is not None:
             raise ValueError(f"{path}: {refusal}")
-        config = convert.config_class(hf_config)(
+        lm_config = megatron_vision.language_config(hf_config)  # a VLM's language model; a text model's config
+        vlm = megatron_vision.is_vision_language(hf_config)
+        config = convert.config_class(lm_config)(
             **convert.transformer_config_kwargs(
-                hf_config,
+                lm_config,
                 tensor_parallel=self.tensor_parallel,
                 expert_parallel=self.expert_parallel,
                 pipeline_parallel=self.pipeline_parallel,
                 dtype=torch.float32,
-            )
+            ),
+            **({"mrope_section": megatron_vision.mrope_section(hf_config)} if vlm else {}),
         )
         config = convert.pipeline_config(config)
         # local (no Transformer Engine) dense or MoE layers per config.moe_layer_freq
@@ -482,12 +495,14 @@ class MegatronBackend:
                 transformer_layer_spec=spec,
                 pre_process=self.pp_rank == 0,
                 post_process=self.pp_rank == self.pipeline_parallel - 1,
-                **convert.gpt_model_kwargs(hf_config, tensor_parallel=self.tensor_parallel),
+                **convert.gpt_model_kwargs(lm_config, tensor_parallel=self.tensor_parallel)
+                | ({"position_embedding_type": "mrope"} if vlm else {}),
             )
+            megatron_vision.attach_vision_tower(model, hf_config)  # a VLM's HF tower as model.visual
         torch.set_rng_state(rng)
         if convert.is_mla(hf_config):
             tag_mla_down_projections(model)
-        model.hf_vocab_size = hf_config.vocab_size
+        model.hf_vocab_size = lm_config.vocab_size
         self._load_hf(model, _hf_state(path, trust_remote_code), hf_config)
         if frozen:
             model.eval().requires_grad_(False)
@@ -496,7 +511,7 @@ class MegatronBackend:
     def _load_hf(self, model: torch.nn.Module, hf_state: dict[str, Tensor], hf_config: Any) -> None:
         """Copy this rank's shards of an HF state dict into ``model`` (its experts: the ones its expert-parallel
         rank holds). Raises: ValueError naming missing or unexpected tensors."""
-        full = convert.hf_to_megatron(hf_state, hf_config, tensor_parallel=self.tensor_parallel)
+        full = megatron_vision.hf_to_megatron(hf_state, hf_config, tensor_parallel=self.tensor_parallel)
         # LoRA: the base weights sit under base_layer; the adapters are not in an HF checkpoint
         params = {name.replace(".base_layer.", "."): p for name, p in _weights(model)
                   if not name.endswith((".lora_A", ".lora_B"))}  # fmt: skip
@@ -613,6 +628,18 @@ class MegatronBackend:
             )  # fmt: skip
         routed = token_routing(mb, packed=packed) if mb.routed_experts is not None and self._replays(gpt) else None
 
+        if hasattr(gpt, "visual"):  # a vision-language model: the rows' images in
+            view = megatron_vision.VisionLanguageView(model, self.hf_config, gpt.hf_vocab_size, gpt=gpt)
+            return log_probs_fn(
+                view,
+                mb.tokens,
+                mb.attention_mask,
+                mb.prompt_lengths,
+                num_response_columns=mb.loss_mask.shape[1],
+                temperature=self.temperature if temperature is None else temperature,
+                with_entropy=with_entropy,
+                multimodal=mb.multimodal_inputs,
+            )
         return log_probs_fn(
             CausalLMView(model, gpt.hf_vocab_size, gpt=gpt, routed=routed),
             mb.tokens,
@@ -851,8 +878,9 @@ class MegatronBackend:
         if self.lora_layers:  # the adapters' gradients, Megatron names (they have no HF names)
             grads = ((name, p.main_grad) for name, p in self.gpt.named_parameters() if p.requires_grad)
             return {name: t.clone() for name, t in self._across_stages(self._gathered(grads))}
-        grads = self._across_stages(self._gathered((name, p.main_grad) for name, p in self.gpt.named_parameters()))
-        return {name: t.clone() for name, t in convert.megatron_to_hf(grads, self.hf_config)}
+        held = ((name, p.main_grad) for name, p in self.gpt.named_parameters() if p.requires_grad)  # not frozen ones
+        grads = self._across_stages(self._gathered(held))
+        return {name: t.clone() for name, t in megatron_vision.megatron_to_hf(grads, self.hf_config)}
 
     # -- weights and checkpoints ----------------------------------------------------------------
     def _gathered(
@@ -891,7 +919,9 @@ class MegatronBackend:
         elif self.lora_layers:
             stream = self._merged_hf()
         else:
-            stream = convert.megatron_to_hf(self._across_stages(self._gathered(_weights(self.gpt))), self.hf_config)
+            stream = megatron_vision.megatron_to_hf(
+                self._across_stages(self._gathered(_weights(self.gpt))), self.hf_config
+            )
         if self.tensor_parallel == self.pipeline_parallel == 1 and not (
             self.lora_layers and self.train_cfg.lora.sync == "merged"
         ):
@@ -1098,8 +1128,9 @@ def _hf_config(path: str | Path, trust_remote_code: bool) -> Any:
 
 
 def _hf_state(path: str | Path, trust_remote_code: bool) -> dict[str, Tensor]:
-    """The fp32 state dict of the HF causal LM at ``path`` (tied tensors appear under both names)."""
-    from transformers import AutoModelForCausalLM
+    """The fp32 state dict of the HF causal LM (or vision-language model) at ``path`` (tied tensors appear under both
+    names)."""
+    from miles.core.multimodal import load_policy_model
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model = load_policy_model(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
     return model.state_dict()

@@ -226,9 +226,11 @@ def check_model_dir(
             "train.backend megatron needs megatron-core: install the extra (pip install 'miles-train[megatron]'; "
             "the workspace's uv sync has it), or use --train.backend fsdp2"
         )
+    from miles.train.megatron.vision import language_config  # (vision imports this module)
+
     try:
         transformer_config_kwargs(
-            AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+            language_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)),
             tensor_parallel=tensor_parallel,
             expert_parallel=expert_parallel,
             pipeline_parallel=pipeline_parallel,
