@@ -135,7 +135,12 @@ def _nested(flat: dict) -> dict:
         "freeze_vision_tower": False,
         "qat": "none",
         "fp16_initial_loss_scale": 65536.0,
-        "megatron": {"tensor_parallel_size": 1, "expert_parallel_size": 1, "pipeline_parallel_size": 1},
+        "megatron": {
+            "tensor_parallel_size": 1,
+            "expert_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "context_parallel_size": 1,
+        },
     }
     return tree
 
